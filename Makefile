@@ -1,0 +1,36 @@
+# Everything runs from .venv, created on first use, so a fresh clone needs only Python 3.11 + pip.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench loadtest clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build; otherwise a dependency may pull a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,s3,models]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ember run examples/mlp_app.py:app
+
+# Two pytest runs: the e2e tests start `ember run`, which starts its own Ray cluster, so they
+# run after the session cluster of the integration tests is gone (one cluster at a time).
+test: $(STAMP)
+	$(BIN)/ruff check src tests examples bench loadtests
+	$(BIN)/mypy
+	$(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/python -m pytest tests/e2e
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples bench loadtests
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/coldstart.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The platform layer: decorator, config, ingress, autoscaling policy, runtime, CLI."""

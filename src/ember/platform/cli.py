@@ -1,0 +1,150 @@
+"""The ``ember`` command line: ``run``, ``status`` (and ``cache`` from ``ember.loaders``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+from ember.errors import ConfigError
+from ember.platform.app import App
+from ember.platform.runtime import DEFAULT_HOST, default_port
+
+
+def load_app(target: str) -> App:
+    """Import ``module:attr`` or ``path/to/file.py:attr`` from the current directory.
+
+    Raises:
+        ConfigError: when the target is malformed, missing, or not an ``ember.App``.
+    """
+    module_ref, sep, attr = target.rpartition(":")
+    if not sep or not module_ref or not attr:
+        raise ConfigError(f"target must look like 'module:app' or 'file.py:app', got {target!r}")
+    module = _import(module_ref)
+    try:
+        app = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{module_ref} has no attribute {attr!r}") from None
+    if not isinstance(app, App):
+        raise ConfigError(f"{target} is a {type(app).__name__}, not an ember.App")
+    return app
+
+
+def _import(module_ref: str) -> ModuleType:
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # as uvicorn and `serve run` do
+    if module_ref.endswith(".py") or os.sep in module_ref:
+        path = Path(module_ref).resolve()
+        if not path.is_file():
+            raise ConfigError(f"no such file: {module_ref}")
+        # Import by module name from its directory so Ray workers can import it the same way.
+        sys.path.insert(0, str(path.parent))
+        module_ref = path.stem
+    try:
+        return importlib.import_module(module_ref)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"cannot import {module_ref!r}: {exc}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ember.platform import runtime
+
+    app = load_app(args.target)
+    stop = threading.Event()
+    try:
+        url = runtime.serve_app(app, host=args.host, port=args.port)
+        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
+        example = (app.curl or "curl -s {url}/-/status").format(url=url)
+        print(f"Try: {example}", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+        stop.wait()
+        print("Shutting down...", flush=True)
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        reply = httpx.get(f"{args.url.rstrip('/')}/-/status", timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if reply.status_code != 200:
+        print(f"Ember answered {reply.status_code}: {reply.text[:200]}", file=sys.stderr)
+        return 2
+    status = reply.json()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(render_status(status))
+    return 0
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """A plain-text table of ``/-/status``, one row per deployment."""
+    header = ("DEPLOYMENT", "RUNNING", "STARTING", "ONGOING", "QUEUED", "FLOOR", "LAST COLD START")
+    rows = [header]
+    for d in status["deployments"]:
+        cold = d.get("last_cold_start")
+        cold_text = f"{cold['total_s'] * 1000:.0f} ms" if cold else "-"
+        rows.append((d["deployment"], str(d["replicas_running"]), str(d["replicas_starting"]),
+                     str(d["ongoing"]), str(d["queued"]), str(d["floor"]), cold_text))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    ready = "ready" if status.get("ready") else "not ready"
+    return f"app {status['app']} ({ready})\n" + "\n".join(line.rstrip() for line in lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Serverless model serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM")
+    run.add_argument("target", help="module:app or path/to/file.py:app")
+    run.add_argument("--host", default=DEFAULT_HOST)
+    run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
+    run.set_defaults(func=cmd_run)
+    status = sub.add_parser("status", help="replicas, load and cold starts per deployment")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--url", default=os.environ.get(
+        "EMBER_URL", f"http://{DEFAULT_HOST}:{default_port()}"))
+    status.set_defaults(func=cmd_status)
+    _register_optional(sub)
+    return parser
+
+
+def _register_optional(sub: Any) -> None:
+    """Subcommands owned by other parts of Ember (the cache CLI lives with the loaders)."""
+    try:
+        loaders_cli = importlib.import_module("ember.loaders._cli")
+    except ImportError:
+        return
+    loaders_cli.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ember`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

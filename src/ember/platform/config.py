@@ -1,0 +1,175 @@
+"""Deployment options: one Pydantic model, units in the field names.
+
+``DeploymentOptions`` is what ``@ember.deployment(...)`` validates; ``to_ray_options``
+turns it into the keyword arguments of ``ray.serve.deployment`` so that Ray Serve keeps
+doing what it does (replicas, placement, queues) while Ember decides how many replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+#: Deployment and route names reach URLs, metrics labels and cache keys: keep them plain.
+NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
+
+#: Import path Ray Serve's controller resolves for Ember-managed deployments.
+POLICY_IMPORT_PATH = "ember.platform._ray_policy:EmberAutoscalingPolicy"
+
+
+class DeploymentOptions(BaseModel):
+    """Options of one deployment, validated when the decorator is applied.
+
+    Example:
+        >>> DeploymentOptions(route="/mlp", warm_floor=1).max_replicas
+        4
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(default=None, description="Deployment name; default: class name.")
+    route: str | None = Field(default=None, description="HTTP path of the handler, e.g. '/embed'.")
+    warm_floor: NonNegativeInt = Field(default=0, description="Replicas kept warm; 0 = to zero.")
+    max_replicas: PositiveInt = 4
+    target_queue_depth: PositiveFloat = Field(
+        default=2.0, description="Ongoing + queued requests per replica the autoscaler aims for."
+    )
+    max_queue: PositiveInt = Field(
+        default=64, description="Requests waiting for a replica beyond which callers get 503."
+    )
+    max_ongoing_requests: PositiveInt | None = Field(
+        default=None, description="Concurrent requests per replica; derived when unset."
+    )
+    scaledown_after_s: NonNegativeFloat = Field(
+        default=60.0, description="Idle seconds before replicas drop towards the floor."
+    )
+    request_timeout_s: PositiveFloat = Field(default=60.0, description="Then 504; work cancelled.")
+    max_request_bytes: PositiveInt = Field(default=1 << 20, description="Then 413.")
+    num_cpus: NonNegativeFloat = 1.0
+    num_gpus: NonNegativeFloat = 0.0
+    graceful_shutdown_s: PositiveFloat = Field(
+        default=20.0, description="A replica being removed gets this long to finish in-flight work."
+    )
+    health_check_period_s: PositiveFloat = 2.0
+    health_check_timeout_s: PositiveFloat = 10.0
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str | None) -> str | None:
+        if value is not None and not NAME_PATTERN.match(value):
+            raise ValueError(
+                f"name {value!r} must start with a letter and use only letters, digits, '_' or '-'"
+                " (at most 64 characters), e.g. 'embedder'"
+            )
+        return value
+
+    @field_validator("route")
+    @classmethod
+    def _check_route(cls, value: str | None) -> str | None:
+        return check_route(value) if value is not None else None
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> DeploymentOptions:
+        if self.warm_floor > self.max_replicas:
+            raise ValueError(
+                f"warm_floor ({self.warm_floor}) must not exceed max_replicas ({self.max_replicas})"
+            )
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < math.ceil(
+            self.target_queue_depth
+        ):
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) must be at least "
+                f"target_queue_depth ({self.target_queue_depth}), or the target is unreachable"
+            )
+        return self
+
+    def ongoing_limit(self) -> int:
+        """Concurrent requests a replica accepts (Ray Serve's ``max_ongoing_requests``).
+
+        Derived as twice the target so that a replica under target load still has room for
+        a burst while the autoscaler reacts, instead of Ray's fixed default of 5.
+        """
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return max(2, math.ceil(self.target_queue_depth * 2))
+
+    def with_env_overrides(self) -> DeploymentOptions:
+        """Apply process-wide overrides (``EMBER_SCALEDOWN_AFTER_S``) the operator set."""
+        raw = os.environ.get("EMBER_SCALEDOWN_AFTER_S")
+        if raw is None or raw == "":
+            return self
+        try:
+            seconds = float(raw)
+        except ValueError as exc:
+            raise ValueError(
+                f"EMBER_SCALEDOWN_AFTER_S must be a number of seconds, got {raw!r}"
+            ) from exc
+        return self.model_copy(update={"scaledown_after_s": max(0.0, seconds)})
+
+
+def check_route(value: str) -> str:
+    """Validate an HTTP route, returning it unchanged.
+
+    Raises:
+        ValueError: with a message that says what a valid route looks like.
+    """
+    if not value.startswith("/"):
+        raise ValueError(f"route must start with '/', e.g. '/embed' (got {value!r})")
+    if value.startswith("/-/") or value in {"/healthz", "/readyz", "/metrics", "/docs"}:
+        raise ValueError(f"route {value!r} is reserved by Ember; pick another, e.g. '/embed'")
+    if ".." in value or not ROUTE_PATTERN.match(value):
+        raise ValueError(
+            f"route {value!r} may contain only letters, digits and '_-./{{}}', e.g. '/v1/embed'"
+        )
+    return value
+
+
+def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
+    """Keyword arguments for ``ray.serve.deployment`` that implement ``options``.
+
+    Ray's own delays are zeroed: the Ember policy owns all timing (``scaledown_after_s``),
+    so that it can be tested as a pure function and no second timer stacks on top of it.
+    """
+    policy_kwargs = {
+        "scaledown_after_s": options.scaledown_after_s,
+        "target_queue_depth": options.target_queue_depth,
+    }
+    return {
+        "name": name,
+        "max_ongoing_requests": options.ongoing_limit(),
+        "max_queued_requests": options.max_queue,
+        "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": options.health_check_period_s,
+        "health_check_timeout_s": options.health_check_timeout_s,
+        "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
+        "autoscaling_config": {
+            "min_replicas": options.warm_floor,
+            "initial_replicas": options.warm_floor,
+            "max_replicas": options.max_replicas,
+            "target_ongoing_requests": options.target_queue_depth,
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
+            "downscale_to_zero_delay_s": 0.0,
+            # Handles push queue metrics this often; the default of 10 s is the "detect"
+            # phase of every cold start.
+            "metrics_interval_s": 0.25,
+            "look_back_period_s": 1.0,
+            "policy": {"policy_function": POLICY_IMPORT_PATH, "policy_kwargs": policy_kwargs},
+        },
+    }

@@ -1,0 +1,242 @@
+"""``@ember.deployment`` and ``@ember.route``: turn a class into a served deployment.
+
+The decorator validates everything it can when it is applied (options, handler
+signatures, body types), so a mistake surfaces at import time with a message that says
+what to do, not as a 500 on the first request. It returns the class itself, with a
+:class:`DeploymentSpec` attached, so the class stays usable (and unit-testable) as is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, overload
+
+from pydantic import BaseModel, ValidationError
+
+from ember.errors import ConfigError
+from ember.platform.config import NAME_PATTERN, DeploymentOptions, check_route
+
+T = TypeVar("T", bound=type)
+F = TypeVar("F", bound=Callable[..., Any])
+
+HttpMethod = Literal["GET", "POST", "PUT", "DELETE"]
+_SPEC_ATTR = "__ember_deployment__"
+_ROUTE_ATTR = "__ember_route__"
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One HTTP route served by a deployment method."""
+
+    path: str
+    http_method: HttpMethod
+    deployment: str
+    attr: str
+    input_model: type[BaseModel] | None
+    output_model: Any
+    is_async: bool
+    is_stream: bool = False
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """What Ember knows about a decorated class."""
+
+    cls: type
+    name: str
+    options: DeploymentOptions
+    routes: tuple[RouteSpec, ...] = field(default_factory=tuple)
+
+    @property
+    def has_setup(self) -> bool:
+        return callable(getattr(self.cls, "setup", None))
+
+
+@overload
+def deployment(cls: T, /) -> T: ...
+
+
+@overload
+def deployment(
+    *,
+    name: str | None = None,
+    route: str | None = None,
+    warm_floor: int = 0,
+    max_replicas: int = 4,
+    target_queue_depth: float = 2.0,
+    max_queue: int = 64,
+    max_ongoing_requests: int | None = None,
+    scaledown_after_s: float = 60.0,
+    request_timeout_s: float = 60.0,
+    max_request_bytes: int = 1 << 20,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    graceful_shutdown_s: float = 20.0,
+) -> Callable[[T], T]: ...
+
+
+def deployment(cls: Any = None, /, **options: Any) -> Any:
+    """Declare a class as an Ember deployment.
+
+    Works bare (``@ember.deployment``) and with keyword-only options
+    (``@ember.deployment(route="/mlp", warm_floor=1)``); see :class:`DeploymentOptions`.
+
+    The class may define ``setup(self)``, run once per replica before it reports ready, and
+    ``__call__(self, body: In) -> Out`` (sync or async), served at ``POST {route}``. Other
+    methods are exposed with :func:`route`.
+
+    Raises:
+        ConfigError: when an option or a handler signature is invalid.
+
+    Example:
+        >>> from pydantic import BaseModel
+        >>> class In(BaseModel):
+        ...     x: float
+        >>> @deployment(route="/double")
+        ... class Double:
+        ...     def __call__(self, body: In) -> float:
+        ...         return body.x * 2
+        >>> Double.__ember_deployment__.routes[0].path
+        '/double'
+    """
+    if cls is not None and options:
+        raise ConfigError("use @ember.deployment or @ember.deployment(**options), not both")
+    if cls is not None:
+        return _apply(cls, {})
+    return lambda target: _apply(target, options)
+
+
+def route(path: str, *, method: HttpMethod = "POST") -> Callable[[F], F]:
+    """Expose another method of a deployment at ``path``.
+
+    Example:
+        >>> class M:
+        ...     @route("/m/info", method="GET")
+        ...     def info(self) -> dict[str, str]:
+        ...         return {"model": "m"}
+    """
+    try:
+        check_route(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if method not in ("GET", "POST", "PUT", "DELETE"):
+        raise ConfigError(f"method must be one of GET, POST, PUT, DELETE (got {method!r})")
+
+    def mark(fn: F) -> F:
+        setattr(fn, _ROUTE_ATTR, (path, method))
+        return fn
+
+    return mark
+
+
+def get_spec(obj: Any) -> DeploymentSpec:
+    """Return the spec of a decorated class.
+
+    Raises:
+        ConfigError: if ``obj`` was not decorated with ``@ember.deployment``.
+    """
+    spec = getattr(obj, _SPEC_ATTR, None)
+    if not isinstance(spec, DeploymentSpec) or spec.cls is not obj:
+        raise ConfigError(f"{obj!r} is not an Ember deployment; decorate it with @ember.deployment")
+    return spec
+
+
+def _apply(cls: Any, options: dict[str, Any]) -> Any:
+    if not inspect.isclass(cls):
+        raise ConfigError(f"@ember.deployment decorates classes, got {type(cls).__name__}")
+    try:
+        opts = DeploymentOptions(**options)
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc, cls.__name__)) from None
+    name = opts.name or cls.__name__
+    if not NAME_PATTERN.match(name):
+        raise ConfigError(f"class name {name!r} is not a valid deployment name; pass name='...'")
+    setup = getattr(cls, "setup", None)
+    if setup is not None and (not callable(setup) or _required_params(setup) > 1):
+        raise ConfigError(f"{cls.__name__}.setup must be a method taking only self")
+    routes = _collect_routes(cls, name, opts)
+    if not routes:
+        raise ConfigError(
+            f"{cls.__name__} has nothing to serve: define __call__(self, body) or mark a method"
+            " with @ember.route('/path')"
+        )
+    _check_unique_paths(routes)
+    setattr(cls, _SPEC_ATTR, DeploymentSpec(cls=cls, name=name, options=opts, routes=routes))
+    return cls
+
+
+def _collect_routes(cls: type, name: str, opts: DeploymentOptions) -> tuple[RouteSpec, ...]:
+    routes: list[RouteSpec] = []
+    call = cls.__dict__.get("__call__")
+    if call is not None:
+        path = opts.route or f"/{name.lower()}"
+        routes.append(_route_spec(cls, "__call__", call, path, "POST", name))
+    elif opts.route is not None:
+        raise ConfigError(f"route={opts.route!r} needs {cls.__name__}.__call__ to serve it")
+    for attr, member in cls.__dict__.items():
+        marked = getattr(member, _ROUTE_ATTR, None)
+        if marked is not None and attr != "__call__":
+            routes.append(_route_spec(cls, attr, member, marked[0], marked[1], name))
+    return tuple(routes)
+
+
+def _route_spec(
+    cls: type, attr: str, fn: Any, path: str, method: HttpMethod, name: str
+) -> RouteSpec:
+    where = f"{cls.__name__}.{attr}"
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as exc:  # NameError and friends from unresolvable annotations
+        raise ConfigError(f"cannot resolve type hints of {where}: {exc}") from None
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    if len(params) > 1:
+        raise ConfigError(f"{where} must take at most one body argument, got {len(params)}")
+    input_model: type[BaseModel] | None = None
+    if params:
+        annotation = hints.get(params[0].name)
+        if not (inspect.isclass(annotation) and issubclass(annotation, BaseModel)):
+            raise ConfigError(
+                f"{where}: annotate the body argument with a pydantic BaseModel subclass,"
+                f" e.g. `def {attr}(self, body: EmbedRequest)`"
+            )
+        if method == "GET":
+            raise ConfigError(f"{where} is a GET route and cannot take a body")
+        input_model = annotation
+    is_stream = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+    return RouteSpec(
+        path=path,
+        http_method=method,
+        deployment=name,
+        attr=attr,
+        input_model=input_model,
+        output_model=None if is_stream else hints.get("return"),
+        is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
+        is_stream=is_stream,
+    )
+
+
+def _check_unique_paths(routes: tuple[RouteSpec, ...]) -> None:
+    seen: set[tuple[str, str]] = set()
+    for spec in routes:
+        key = (spec.http_method, spec.path)
+        if key in seen:
+            raise ConfigError(f"two handlers for {spec.http_method} {spec.path}")
+        seen.add(key)
+
+
+def _required_params(fn: Any) -> int:
+    return sum(
+        1
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
+
+
+def _first_error(exc: ValidationError, where: str) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(part) for part in err["loc"]) or "options"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"@ember.deployment on {where}: {loc}: {msg}"

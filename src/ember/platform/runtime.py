@@ -1,0 +1,111 @@
+"""Starting and stopping Ember on a Ray cluster.
+
+``serve(app)`` joins ``RAY_ADDRESS`` when it is set, or starts an embedded local cluster,
+then deploys the app with Ray Serve: one Serve deployment per Ember deployment plus the
+ingress. Nothing here schedules replicas or proxies requests; Ray Serve does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import HTTPOptions
+
+from ember.platform.app import App
+from ember.platform.config import to_ray_options
+from ember.platform.ingress import EmberIngress
+from ember.platform.replica import replica_class
+
+logger = logging.getLogger("ember")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def default_port() -> int:
+    """``EMBER_PORT`` or 8000."""
+    raw = os.environ.get("EMBER_PORT", "")
+    return int(raw) if raw.strip() else DEFAULT_PORT
+
+
+def build_application(app: App) -> Any:
+    """The Ray Serve application (bound ingress) for ``app``."""
+    handles: dict[str, Any] = {}
+    options = {}
+    for spec in app.specs:
+        opts = spec.options.with_env_overrides()
+        options[spec.name] = opts
+        deployment = serve.deployment(**to_ray_options(opts, name=spec.name))(replica_class(spec))
+        handles[spec.name] = deployment.bind()
+    ingress = serve.deployment(
+        name="ember-ingress",
+        num_replicas=1,
+        # The ingress only awaits handles; it must never be the queue callers wait in.
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0.1},
+    )(EmberIngress)
+    return ingress.bind(app.name, list(app.routes()), options, handles)
+
+
+def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> None:
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local cluster; idempotent."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    user_paths = _user_module_paths()
+    if address is None and user_paths:
+        # Local workers inherit this environment, so user modules import there by name.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [*user_paths, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+    runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
+    ray.init(
+        address=address,
+        num_cpus=None if address else (int(num_cpus) if num_cpus else None),
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        logging_level=logging.WARNING,
+        configure_logging=True,
+    )
+
+
+def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:
+    """Deploy ``app`` and return its base URL; returns once the app is running.
+
+    Example:
+        >>> url = serve_app(my_app)            # doctest: +SKIP
+        >>> httpx.post(f"{url}/mlp", json=...)  # doctest: +SKIP
+    """
+    start_ray()
+    port = default_port() if port is None else port
+    serve.start(http_options=HTTPOptions(host=host, port=port), proxy_location="HeadOnly")
+    serve.run(build_application(app), name=app.name, route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def shutdown() -> None:
+    """Tear down Serve and, if this process started it, the local Ray cluster."""
+    try:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _user_module_paths() -> list[str]:
+    """Directories of user code on ``sys.path`` (cwd and app files), not site-packages."""
+    paths: list[str] = []
+    for entry in sys.path:
+        if not entry or "site-packages" in entry or "dist-packages" in entry:
+            continue
+        path = Path(entry).resolve()
+        is_user_dir = path.is_dir() and not str(path).startswith(sys.base_prefix)
+        if is_user_dir and path != Path(sys.prefix).resolve() and str(path) not in paths:
+            paths.append(str(path))
+    return paths

@@ -1,0 +1,125 @@
+"""What the ingress knows about each deployment's load and replicas.
+
+Ongoing and queued counts are as seen by this ingress: requests it has sent and not yet
+had answered, split into "on a replica" and "waiting" using the running replica count and
+each replica's concurrency limit. Replica counts come from Ray Serve's controller, polled
+in the background so that no request path waits on the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.platform.config import DeploymentOptions
+from ember.platform.metrics import Metrics
+
+
+@dataclass
+class ColdStart:
+    """One request that arrived while its deployment had no running replica."""
+
+    at: float
+    total_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"at": self.at, "total_s": round(self.total_s, 4)}
+
+
+@dataclass
+class DeploymentLoad:
+    """Live counters of one deployment."""
+
+    name: str
+    options: DeploymentOptions
+    inflight: int = 0
+    running: int = 0
+    starting: int = 0
+    status: str = "UNKNOWN"
+    message: str = ""
+    last_cold_start: ColdStart | None = None
+    cold_starts: int = 0
+    replica_states: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.inflight - self.running * self.options.ongoing_limit())
+
+    @property
+    def ongoing(self) -> int:
+        return self.inflight - self.queued
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "deployment": self.name,
+            "status": self.status,
+            "replicas_running": self.running,
+            "replicas_starting": self.starting,
+            "ongoing": self.ongoing,
+            "queued": self.queued,
+            "floor": self.options.warm_floor,
+            "max_replicas": self.options.max_replicas,
+            "cold_starts": self.cold_starts,
+            "last_cold_start": self.last_cold_start.as_dict() if self.last_cold_start else None,
+            "message": self.message,
+        }
+
+
+class LoadTracker:
+    """Per-deployment counters shared by the ingress's request handlers."""
+
+    def __init__(self, options: dict[str, DeploymentOptions], metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
+
+    @contextmanager
+    def track(self, deployment: str) -> Iterator[bool]:
+        """Count one request in flight; yields whether it arrived to a cold deployment."""
+        load = self.loads[deployment]
+        cold = load.running == 0
+        started = time.monotonic()
+        load.inflight += 1
+        self._publish(load)
+        try:
+            yield cold
+        finally:
+            load.inflight -= 1
+            self._publish(load)
+            if cold:
+                self._record_cold(load, time.monotonic() - started)
+                # A replica just answered: do not count the next request as cold while
+                # the background poll has yet to see it.
+                load.running = max(load.running, 1)
+
+    def update_replicas(self, deployment: str, overview: Any) -> None:
+        """Take one ``DeploymentStatusOverview`` from Ray Serve's status."""
+        load = self.loads.get(deployment)
+        if load is None:
+            return
+        states = {str(getattr(k, "value", k)): int(v) for k, v in overview.replica_states.items()}
+        load.replica_states = states
+        load.running = states.get("RUNNING", 0)
+        load.starting = states.get("STARTING", 0) + states.get("PENDING_MIGRATION", 0)
+        load.status = str(getattr(overview.status, "value", overview.status))
+        load.message = overview.message or ""
+        for state in ("RUNNING", "STARTING", "STOPPING"):
+            self.metrics.replicas.labels(deployment, state.lower()).set(states.get(state, 0))
+        self.metrics.floor.labels(deployment).set(load.options.warm_floor)
+        self._publish(load)
+
+    def ready(self) -> bool:
+        """True when every deployment with a floor has at least that many running replicas."""
+        return all(load.running >= load.options.warm_floor for load in self.loads.values())
+
+    def _publish(self, load: DeploymentLoad) -> None:
+        self.metrics.ongoing.labels(load.name).set(load.ongoing)
+        self.metrics.queued.labels(load.name).set(load.queued)
+
+    def _record_cold(self, load: DeploymentLoad, total_s: float) -> None:
+        load.cold_starts += 1
+        load.last_cold_start = ColdStart(at=time.time(), total_s=total_s)
+        self.metrics.cold_starts.labels(load.name).inc()
+        self.metrics.cold_start_s.labels(load.name).observe(total_s)

@@ -1,0 +1,171 @@
+"""Core behaviour on a real local Ray cluster over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import core_apps
+import httpx
+import pytest
+
+import ember
+from support import deployment_status, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def url(serve_port: int) -> Iterator[str]:
+    from ray import serve
+
+    base = ember.serve(core_apps.app, port=serve_port)
+    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 60, what="ready")
+    yield base
+    serve.delete(core_apps.app.name)
+
+
+def test_echo_round_trip(url: str) -> None:
+    reply = httpx.post(f"{url}/echo", json={"text": "ab", "repeat": 3}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["text"] == "ababab"
+    assert reply.headers["x-request-id"]
+
+
+def test_extra_route_with_get(url: str) -> None:
+    reply = httpx.get(f"{url}/echo/info", timeout=30)
+    assert reply.status_code == 200
+    assert reply.json() == {"deployment": "Echo"}
+
+
+def test_openapi_describes_bodies(url: str) -> None:
+    spec = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    assert {"/echo", "/echo/info", "/sleep", "/fault", "/cold"} <= set(spec["paths"])
+    body = spec["paths"]["/echo"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"].endswith("/EchoIn")
+    assert "text" in spec["components"]["schemas"]["EchoIn"]["properties"]
+    assert httpx.get(f"{url}/docs", timeout=30).status_code == 200
+
+
+def test_malformed_json_is_400(url: str) -> None:
+    reply = httpx.post(f"{url}/echo", content=b'{"text": ', timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["type"] == "MalformedJSON"
+
+
+def test_wrong_type_is_422_naming_the_field(url: str) -> None:
+    reply = httpx.post(f"{url}/echo", json={"text": "a", "repeat": "many"}, timeout=30)
+    assert reply.status_code == 422
+    fields = [f["field"] for f in reply.json()["error"]["fields"]]
+    assert fields == ["body.repeat"]
+
+
+def test_unknown_route_404_and_wrong_method_405(url: str) -> None:
+    assert httpx.get(f"{url}/nowhere", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/echo", timeout=30).status_code == 405
+
+
+def test_body_over_limit_is_413(url: str) -> None:
+    reply = httpx.post(f"{url}/echo", json={"text": "x" * 5000}, timeout=30)
+    assert reply.status_code == 413
+    assert reply.json()["error"]["type"] == "PayloadTooLarge"
+
+
+def test_chunked_body_over_limit_is_413(url: str) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"text": "'
+        for _ in range(64):
+            yield b"y" * 100
+        yield b'"}'
+
+    reply = httpx.post(f"{url}/echo", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+    # the server is unharmed
+    assert httpx.post(f"{url}/echo", json={"text": "ok"}, timeout=30).status_code == 200
+
+
+def test_user_exception_is_500_with_request_id_and_replica_survives(url: str) -> None:
+    reply = httpx.post(f"{url}/fault", json={"fail": True}, timeout=30)
+    assert reply.status_code == 500
+    error = reply.json()["error"]
+    assert error["type"] == "UserCodeError"
+    assert error["request_id"] == reply.headers["x-request-id"]
+    assert "ValueError" in error["message"]
+    assert httpx.post(f"{url}/fault", json={"fail": False}, timeout=30).json() == {"ok": "yes"}
+
+
+def test_timeout_is_504_and_cancels_the_work(url: str, tmp_path: Path) -> None:
+    marker = tmp_path / "cancelled"
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/sleep", json={"seconds": 10, "marker": str(marker)}, timeout=30)
+    assert reply.status_code == 504
+    assert time.monotonic() - started < 8  # answered at the deadline, not after the work
+    wait_for(marker.exists, 10, what="the handler to see its cancellation")
+
+
+def test_queue_full_is_fast_503_with_retry_after(url: str) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [client.post(f"{url}/sleep", json={"seconds": 1.0}) for _ in range(12)]
+            return await asyncio.gather(*calls)
+
+    replies = asyncio.run(burst())
+    codes = sorted(r.status_code for r in replies)
+    rejected = [r for r in replies if r.status_code == 503]
+    assert rejected, codes
+    assert all(r.headers.get("retry-after") for r in rejected)
+    assert all(r.elapsed.total_seconds() < 1.0 for r in rejected), "503 must not wait"
+    assert set(codes) <= {200, 503, 504}, codes
+    # After the burst the deployment serves again.
+    wait_for(lambda: httpx.post(f"{url}/sleep", json={"seconds": 0}, timeout=30).status_code
+             == 200, 20, what="recovery")
+
+
+def test_floor_is_respected_when_idle(url: str) -> None:
+    time.sleep(4)  # > 3x scaledown_after_s of Echo
+    assert deployment_status(url, "Echo")["replicas_running"] >= 1
+    assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
+
+
+def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
+    httpx.post(f"{url}/cold", json={"item": -1, "seconds": 0}, timeout=60)
+    wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 0, 40,
+             what="Cold to scale to zero")
+    peak = 0
+
+    async def burst() -> list[httpx.Response]:
+        nonlocal peak
+        async with httpx.AsyncClient(timeout=90) as client:
+            calls = [client.post(f"{url}/cold", json={"item": i}) for i in range(20)]
+            tasks = [asyncio.ensure_future(c) for c in calls]
+            while not all(t.done() for t in tasks):
+                status = deployment_status(url, "Cold")
+                peak = max(peak, status["replicas_running"] + status["replicas_starting"])
+                await asyncio.sleep(0.2)
+            return [t.result() for t in tasks]
+
+    replies = asyncio.run(burst())
+    assert [r.status_code for r in replies] == [200] * 20
+    assert sorted(r.json()["item"] for r in replies) == list(range(20))
+    # 20 queued at target depth 2: the policy asks for the cap (4) at once, not one replica.
+    assert peak >= 2, f"only {peak} replica(s) started for a burst of 20"
+    status = deployment_status(url, "Cold")
+    assert status["last_cold_start"] is not None
+    assert status["cold_starts"] >= 1
+
+
+def test_metrics_exported(url: str) -> None:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in ("ember_replicas", "ember_requests_ongoing", "ember_requests_queued",
+                   "ember_request_duration_seconds_bucket", "ember_requests_rejected_total",
+                   "ember_cold_starts_total", "ember_cold_start_duration_seconds_bucket"):
+        assert family in text, family
+    assert 'ember_requests_rejected_total{deployment="Echo",reason="too_large"}' in text
+
+
+def test_healthz(url: str) -> None:
+    assert httpx.get(f"{url}/healthz", timeout=30).json() == {"status": "ok"}
