@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

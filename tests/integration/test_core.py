@@ -7,11 +7,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import core_apps
 import httpx
 import pytest
 
 import ember
+
+import core_apps
 from support import deployment_status, wait_for
 
 pytestmark = pytest.mark.cluster
