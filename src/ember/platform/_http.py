@@ -47,10 +47,14 @@ def request_id_of(request: Request) -> str:
 
 def error_body(err: EmberError, request_id: str, **extra: Any) -> dict[str, Any]:
     """The JSON body of every Ember error response."""
+    # "message", "type", "param" and "code" are OpenAI's error fields, so OpenAI clients
+    # pointed at Ember raise their usual exceptions with Ember's message.
     return {
         "error": {
-            "type": type(err).__name__,
             "message": str(err),
+            "type": type(err).__name__,
+            "param": extra.pop("param", None),
+            "code": err.status_code,
             "status": err.status_code,
             "request_id": request_id,
             **extra,

@@ -8,16 +8,21 @@ from typing import Any
 from ember.errors import ConfigError
 from ember.platform.config import NAME_PATTERN
 from ember.platform.decorator import DeploymentSpec, RouteSpec, get_spec
+from ember.platform.pipeline import PipelineSpec
+from ember.platform.protocols import Protocol
 
 
 class App:
     """An application: deployments plus the routes the ingress serves for them.
 
     Args:
-        deployments: Classes decorated with ``@ember.deployment``.
+        deployments: Classes decorated with ``@ember.deployment`` (their routes are served)
+            and pipelines from ``ember.pipeline`` (their stages run as deployments; only
+            the pipeline's route is served).
         name: Ray Serve application name.
         curl: Optional example request printed by ``ember run``; ``{url}`` is replaced by
             the server's base URL.
+        protocols: Client APIs served on top (OpenAI embeddings, Open Inference v2).
 
     Raises:
         ConfigError: on duplicate deployment names or routes.
@@ -33,7 +38,12 @@ class App:
     """
 
     def __init__(
-        self, deployments: Sequence[Any], *, name: str = "ember", curl: str | None = None
+        self,
+        deployments: Sequence[Any],
+        *,
+        name: str = "ember",
+        curl: str | None = None,
+        protocols: Sequence[Protocol] = (),
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"app name {name!r} must look like 'ember' or 'my-app'")
@@ -41,13 +51,27 @@ class App:
             raise ConfigError("an App needs at least one deployment")
         self.name = name
         self.curl = curl
-        self.specs: tuple[DeploymentSpec, ...] = tuple(get_spec(d) for d in deployments)
-        self._check_unique()
+        self.protocols = tuple(protocols)
+        self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
+        self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
+        stages = [stage for pipe in self.pipelines for stage in pipe.stages]
+        self.specs: tuple[DeploymentSpec, ...] = tuple(
+            {spec.name: spec for spec in [*self.served, *stages]}.values()
+        )
+        self._check_unique(stages)
+        for protocol in self.protocols:
+            protocol.validate(self)
 
     def routes(self) -> Iterator[RouteSpec]:
-        """Every route of every deployment, in declaration order."""
-        for spec in self.specs:
-            yield from spec.routes
+        """Every HTTP route: those of listed deployments, then pipelines', in order."""
+        for spec in self.served:
+            yield from (r for r in spec.routes if r.http_servable)
+        for pipe in self.pipelines:
+            yield pipe.route_spec()
+
+    def timeouts(self) -> dict[str, float]:
+        """Per-route timeouts that differ from the deployment's (pipelines own theirs)."""
+        return {pipe.route: pipe.request_timeout_s for pipe in self.pipelines}
 
     def spec(self, name: str) -> DeploymentSpec:
         """The deployment called ``name``.
@@ -60,8 +84,12 @@ class App:
                 return spec
         raise KeyError(name)
 
-    def _check_unique(self) -> None:
-        names = [s.name for s in self.specs]
+    def _check_unique(self, stages: list[DeploymentSpec]) -> None:
+        by_name: dict[str, DeploymentSpec] = {}
+        for spec in [*self.served, *stages]:
+            if by_name.setdefault(spec.name, spec).cls is not spec.cls:
+                raise ConfigError(f"two different classes are named {spec.name!r} in one App")
+        names = [s.name for s in self.served]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f"deployment names must be unique in an App, repeated: {dupes}")

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from ember.platform.batching import Batch
+
 #: Deployment and route names reach URLs, metrics labels and cache keys: keep them plain.
 NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
@@ -55,6 +57,7 @@ class DeploymentOptions(BaseModel):
     max_ongoing_requests: PositiveInt | None = Field(
         default=None, description="Concurrent requests per replica; derived when unset."
     )
+    batch: Batch | None = Field(default=None, description="Dynamic batching; None = off.")
     scaledown_after_s: NonNegativeFloat = Field(
         default=60.0, description="Idle seconds before replicas drop towards the floor."
     )
@@ -106,7 +109,10 @@ class DeploymentOptions(BaseModel):
         """
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
-        return max(2, math.ceil(self.target_queue_depth * 2))
+        # With batching, a replica must admit at least two full batches of requests, or
+        # Ray Serve's router caps the batch at the concurrency limit (its default is 5).
+        batch_room = 2 * self.batch.max_size if self.batch is not None else 0
+        return max(2, math.ceil(self.target_queue_depth * 2), batch_room)
 
     def with_env_overrides(self) -> DeploymentOptions:
         """Apply process-wide overrides (``EMBER_SCALEDOWN_AFTER_S``) the operator set."""

@@ -17,12 +17,16 @@ from typing import Any, Literal, TypeVar, overload
 from pydantic import BaseModel, ValidationError
 
 from ember.errors import ConfigError
+from ember.platform.batching import Batch
 from ember.platform.config import NAME_PATTERN, DeploymentOptions, check_route
 
 T = TypeVar("T", bound=type)
 F = TypeVar("F", bound=Callable[..., Any])
 
 HttpMethod = Literal["GET", "POST", "PUT", "DELETE"]
+#: How a handler takes its input: nothing, one pydantic body, a list of items (batch form),
+#: or a tensor whose rows are the items (tensor form, stacked and split by Ember).
+BodyKind = Literal["none", "model", "batch", "tensor"]
 _SPEC_ATTR = "__ember_deployment__"
 _ROUTE_ATTR = "__ember_route__"
 
@@ -35,10 +39,19 @@ class RouteSpec:
     http_method: HttpMethod
     deployment: str
     attr: str
-    input_model: type[BaseModel] | None
+    input_model: Any
     output_model: Any
     is_async: bool
     is_stream: bool = False
+    kind: BodyKind = "model"
+    #: For a pipeline route: the (deployment, attr) stages called in order, each with the
+    #: previous stage's result. Empty for a plain route.
+    chain: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def http_servable(self) -> bool:
+        """Whether the ingress can parse this route's body from JSON by itself."""
+        return self.kind != "tensor"
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ def deployment(
     target_queue_depth: float = 2.0,
     max_queue: int = 64,
     max_ongoing_requests: int | None = None,
+    batch: Batch | None = None,
     scaledown_after_s: float = 60.0,
     request_timeout_s: float = 60.0,
     max_request_bytes: int = 1 << 20,
@@ -147,6 +161,11 @@ def get_spec(obj: Any) -> DeploymentSpec:
 def _apply(cls: Any, options: dict[str, Any]) -> Any:
     if not inspect.isclass(cls):
         raise ConfigError(f"@ember.deployment decorates classes, got {type(cls).__name__}")
+    if options.get("batch") is not None and "target_queue_depth" not in options:
+        # A batching replica is busy, not overloaded, with a full batch in flight.
+        batch = options["batch"]
+        size = batch.max_size if isinstance(batch, Batch) else dict(batch).get("max_size", 32)
+        options = {**options, "target_queue_depth": float(size)}
     try:
         opts = DeploymentOptions(**options)
     except ValidationError as exc:
@@ -194,18 +213,15 @@ def _route_spec(
     params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     if len(params) > 1:
         raise ConfigError(f"{where} must take at most one body argument, got {len(params)}")
-    input_model: type[BaseModel] | None = None
+    kind: BodyKind = "none"
+    input_model: Any = None
     if params:
-        annotation = hints.get(params[0].name)
-        if not (inspect.isclass(annotation) and issubclass(annotation, BaseModel)):
-            raise ConfigError(
-                f"{where}: annotate the body argument with a pydantic BaseModel subclass,"
-                f" e.g. `def {attr}(self, body: EmbedRequest)`"
-            )
         if method == "GET":
             raise ConfigError(f"{where} is a GET route and cannot take a body")
-        input_model = annotation
+        kind, input_model = _body_kind(where, attr, hints.get(params[0].name))
     is_stream = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+    if is_stream and kind in ("batch", "tensor"):
+        raise ConfigError(f"{where}: a streaming handler cannot also be a batch handler")
     return RouteSpec(
         path=path,
         http_method=method,
@@ -215,6 +231,28 @@ def _route_spec(
         output_model=None if is_stream else hints.get("return"),
         is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
         is_stream=is_stream,
+        kind=kind,
+    )
+
+
+def _body_kind(where: str, attr: str, annotation: Any) -> tuple[BodyKind, Any]:
+    """Classify a handler's body annotation; refuse what cannot be served."""
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return "model", annotation
+    if typing.get_origin(annotation) is list:
+        return "batch", annotation
+    if _is_tensor_type(annotation):
+        return "tensor", annotation
+    raise ConfigError(
+        f"{where}: annotate the body with a pydantic BaseModel subclass"
+        f" (e.g. `def {attr}(self, body: EmbedRequest)`), a list of items for batching"
+        f" (`items: list[str]`), or torch.Tensor"
+    )
+
+
+def _is_tensor_type(annotation: Any) -> bool:
+    return inspect.isclass(annotation) and annotation.__module__ == "torch" and (
+        annotation.__name__ == "Tensor"
     )
 
 

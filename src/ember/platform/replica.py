@@ -3,8 +3,8 @@
 ``replica_class(spec)`` builds a small wrapper that constructs the user's class, runs its
 ``setup()`` before Ray Serve marks the replica ready (so a replica is never routable before
 its weights are loaded), and dispatches ``ember_call(attr, body)`` to the handler. Sync
-handlers run in a worker thread so the replica's event loop keeps answering health checks
-and cancellations while the model computes.
+handlers run in a worker thread so the replica's event loop keeps answering health checks,
+batching and cancellations while the model computes.
 """
 
 from __future__ import annotations
@@ -12,50 +12,106 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ember.platform.decorator import DeploymentSpec
+from ember.platform.batching import BatchFn, make_batcher, split_rows, stack_rows, submit_all
+from ember.platform.decorator import DeploymentSpec, RouteSpec
+
+_DONE = object()
+
+
+async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await an async handler, or run a sync one in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _batch_runner(fn: Callable[..., Any], route: RouteSpec) -> BatchFn:
+    """Adapt a batch- or tensor-form handler to ``run(items) -> results``."""
+    if route.kind == "tensor":
+        async def run_tensor(items: list[Any]) -> list[Any]:
+            return split_rows(await call_user(fn, stack_rows(items)), len(items))
+
+        return run_tensor
+
+    async def run_list(items: list[Any]) -> list[Any]:
+        return list(await call_user(fn, items))
+
+    return run_list
+
+
+class ReplicaCore:
+    """The per-replica dispatcher, kept apart from Ray so it can be unit-tested."""
+
+    def __init__(self, spec: DeploymentSpec, impl: Any) -> None:
+        self.spec = spec
+        self.impl = impl
+        self.routes = {r.attr: r for r in spec.routes}
+        self._submit: dict[str, Callable[[Any], Awaitable[Any]]] = {}
+        batch = spec.options.batch
+        if batch is not None:
+            for route in spec.routes:
+                if route.kind in ("batch", "tensor"):
+                    fn = getattr(impl, route.attr)
+                    self._submit[route.attr] = make_batcher(_batch_runner(fn, route), batch)
+
+    def _handler(self, attr: str) -> Callable[..., Any]:
+        if attr not in self.routes:  # only routes, never arbitrary attributes
+            raise AttributeError(f"{self.spec.name} has no route handler {attr!r}")
+        return getattr(self.impl, attr)  # type: ignore[no-any-return]
+
+    async def call(self, attr: str, body: Any) -> Any:
+        fn = self._handler(attr)
+        submit = self._submit.get(attr)
+        if submit is None:
+            return await call_user(fn, *(() if body is None else (body,)))
+        if self.routes[attr].kind == "tensor":
+            return stack_rows(await submit_all(submit, list(body.unbind(0))))
+        return await submit_all(submit, list(body))
+
+    async def stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
+        fn = self._handler(attr)
+        produced = fn(*(() if body is None else (body,)))
+        if inspect.isasyncgen(produced):
+            async for chunk in produced:
+                yield chunk
+            return
+        while (chunk := await asyncio.to_thread(next, produced, _DONE)) is not _DONE:
+            yield chunk
 
 
 def replica_class(spec: DeploymentSpec) -> type:
     """Return the class Ray Serve deploys for ``spec``."""
     user_cls = spec.cls
-    async_attrs = frozenset(r.attr for r in spec.routes if r.is_async)
-    served_attrs = frozenset(r.attr for r in spec.routes)
 
     class EmberReplica:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
             started = time.monotonic()
-            self._impl = user_cls()
-            setup = getattr(self._impl, "setup", None)
+            impl = user_cls()
+            setup = getattr(impl, "setup", None)
             if setup is not None:
-                if inspect.iscoroutinefunction(setup):
-                    await setup()
-                else:
-                    await asyncio.to_thread(setup)
+                await call_user(setup)
+            self._core = ReplicaCore(spec, impl)
             self._setup_s = time.monotonic() - started
             self._ready_at = time.time()
 
         async def ember_call(self, attr: str, body: Any) -> Any:
-            if attr not in served_attrs:  # only routes, never arbitrary attributes
-                raise AttributeError(f"{spec.name} has no route handler {attr!r}")
-            fn = getattr(self._impl, attr)
-            args = () if body is None else (body,)
-            if attr in async_attrs:
-                return await fn(*args)
-            return await asyncio.to_thread(fn, *args)
+            return await self._core.call(attr, body)
 
-        def ember_info(self) -> dict[str, float]:
+        async def ember_stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
+            async for chunk in self._core.stream(attr, body):
+                yield chunk
+
+        async def ember_ping(self) -> dict[str, float]:
+            """Cheap call used to wake a cold stage; answers once the replica is up."""
             return {"setup_s": self._setup_s, "ready_at": self._ready_at}
 
         async def check_health(self) -> None:
-            check = getattr(self._impl, "check_health", None)
-            if check is None:
-                return
-            if inspect.iscoroutinefunction(check):
-                await check()
-            else:
-                await asyncio.to_thread(check)
+            check = getattr(self._core.impl, "check_health", None)
+            if check is not None:
+                await call_user(check)
 
     EmberReplica.__name__ = EmberReplica.__qualname__ = f"EmberReplica_{spec.name}"
     return EmberReplica

@@ -50,7 +50,8 @@ def build_application(app: App) -> Any:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0.1},
     )(EmberIngress)
-    return ingress.bind(app.name, list(app.routes()), options, handles)
+    return ingress.bind(app.name, list(app.routes()), options, handles, app.timeouts(),
+                        app.protocols)
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> None:
