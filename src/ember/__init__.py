@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from ember import errors
 from ember.platform.app import App
+from ember.platform.batching import Batch
 from ember.platform.config import DeploymentOptions
 from ember.platform.decorator import deployment, route
+from ember.platform.pipeline import pipeline
 from ember.platform.runtime import serve_app as serve
 from ember.platform.runtime import shutdown
 
@@ -25,10 +27,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "App",
+    "Batch",
     "DeploymentOptions",
     "__version__",
     "deployment",
     "errors",
+    "pipeline",
     "route",
     "serve",
     "shutdown",

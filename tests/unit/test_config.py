@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import BaseModel
 
 import ember
@@ -63,12 +64,33 @@ def test_bad_options_are_refused_at_decoration(options: dict[str, object], messa
     assert message in str(info.value)
 
 
-def test_body_must_be_a_pydantic_model() -> None:
-    with pytest.raises(ConfigError, match="pydantic BaseModel"):
+def test_body_must_be_annotated() -> None:
+    with pytest.raises(ConfigError, match="annotate the body"):
         @ember.deployment
         class Bad:
-            def __call__(self, body: dict) -> float:  # type: ignore[type-arg]
+            def __call__(self, body) -> float:  # type: ignore[no-untyped-def]
                 return 0.0
+
+
+def test_body_kinds() -> None:
+    @ember.deployment(batch=ember.Batch(max_size=8))
+    class Kinds:
+        def __call__(self, items: list[str]) -> list[int]:
+            return [len(i) for i in items]
+
+        @ember.route("/kinds/t")
+        def t(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        @ember.route("/kinds/v")
+        def v(self, x: dict[str, int]) -> int:
+            return 0
+
+    kinds = {r.attr: (r.kind, r.http_servable) for r in get_spec(Kinds).routes}
+    assert kinds == {"__call__": ("batch", True), "t": ("tensor", False), "v": ("value", True)}
+    # batching raises the autoscaling target to a batch's worth unless set explicitly
+    assert get_spec(Kinds).options.target_queue_depth == 8
+    assert get_spec(Kinds).options.ongoing_limit() == 16
 
 
 def test_class_without_handler_is_refused() -> None:

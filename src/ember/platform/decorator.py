@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ember.errors import ConfigError
 from ember.platform.batching import Batch
@@ -26,7 +26,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 HttpMethod = Literal["GET", "POST", "PUT", "DELETE"]
 #: How a handler takes its input: nothing, one pydantic body, a list of items (batch form),
 #: or a tensor whose rows are the items (tensor form, stacked and split by Ember).
-BodyKind = Literal["none", "model", "batch", "tensor"]
+#: "value" is any other annotation: served with FastAPI's Body() when pydantic can parse
+#: it (``dict[str, int]``), and passed through as is between pipeline stages.
+BodyKind = Literal["none", "model", "batch", "tensor", "value"]
 _SPEC_ATTR = "__ember_deployment__"
 _ROUTE_ATTR = "__ember_route__"
 
@@ -51,7 +53,15 @@ class RouteSpec:
     @property
     def http_servable(self) -> bool:
         """Whether the ingress can parse this route's body from JSON by itself."""
-        return self.kind != "tensor"
+        if self.kind == "tensor" or not self.path:
+            return False
+        if self.kind != "value":
+            return True
+        try:
+            TypeAdapter(self.input_model)
+        except Exception:  # a type pydantic cannot build a schema for (a tensor, a class)
+            return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,11 @@ def deployment(cls: Any = None, /, **options: Any) -> Any:
     return lambda target: _apply(target, options)
 
 
-def route(path: str, *, method: HttpMethod = "POST") -> Callable[[F], F]:
+def route(path: str | None = None, *, method: HttpMethod = "POST") -> Callable[[F], F]:
     """Expose another method of a deployment at ``path``.
+
+    Without a path the method is an internal handler: protocol adapters (OpenAI, Open
+    Inference v2) and pipelines call it, but it gets no HTTP route of its own.
 
     Example:
         >>> class M:
@@ -132,15 +145,16 @@ def route(path: str, *, method: HttpMethod = "POST") -> Callable[[F], F]:
         ...     def info(self) -> dict[str, str]:
         ...         return {"model": "m"}
     """
-    try:
-        check_route(path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if path is not None:
+        try:
+            check_route(path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if method not in ("GET", "POST", "PUT", "DELETE"):
         raise ConfigError(f"method must be one of GET, POST, PUT, DELETE (got {method!r})")
 
     def mark(fn: F) -> F:
-        setattr(fn, _ROUTE_ATTR, (path, method))
+        setattr(fn, _ROUTE_ATTR, (path or "", method))
         return fn
 
     return mark
@@ -243,11 +257,12 @@ def _body_kind(where: str, attr: str, annotation: Any) -> tuple[BodyKind, Any]:
         return "batch", annotation
     if _is_tensor_type(annotation):
         return "tensor", annotation
-    raise ConfigError(
-        f"{where}: annotate the body with a pydantic BaseModel subclass"
-        f" (e.g. `def {attr}(self, body: EmbedRequest)`), a list of items for batching"
-        f" (`items: list[str]`), or torch.Tensor"
-    )
+    if annotation is None:
+        raise ConfigError(
+            f"{where}: annotate the body, e.g. `def {attr}(self, body: EmbedRequest)` with a"
+            " pydantic model, `items: list[str]` for batching, or `x: torch.Tensor`"
+        )
+    return "value", annotation
 
 
 def _is_tensor_type(annotation: Any) -> bool:
@@ -259,6 +274,8 @@ def _is_tensor_type(annotation: Any) -> bool:
 def _check_unique_paths(routes: tuple[RouteSpec, ...]) -> None:
     seen: set[tuple[str, str]] = set()
     for spec in routes:
+        if not spec.path:
+            continue
         key = (spec.http_method, spec.path)
         if key in seen:
             raise ConfigError(f"two handlers for {spec.http_method} {spec.path}")

@@ -110,8 +110,8 @@ def _body_parameter(route: RouteSpec) -> inspect.Parameter | None:
     if route.kind == "none":
         return None
     # Body() makes FastAPI read lists and scalars from the body rather than the query.
-    annotation = Annotated[route.input_model, Body()] if route.kind == "batch" else (
-        route.input_model)
+    annotation = (Annotated[route.input_model, Body()] if route.kind in ("batch", "value")
+                  else route.input_model)
     return inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
 
 

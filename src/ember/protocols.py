@@ -1,0 +1,23 @@
+"""Client APIs Ember serves on top of deployments.
+
+Example:
+    >>> from ember.protocols import OpenAIEmbeddings
+    >>> OpenAIEmbeddings(deployment="MiniLM", attr="embed", model="all-MiniLM-L6-v2",
+    ...                  dimensions=384)
+    OpenAIEmbeddings(model='all-MiniLM-L6-v2' -> MiniLM.embed)
+"""
+
+from __future__ import annotations
+
+from ember.platform.protocols import Gateway, Protocol
+from ember.platform.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
+from ember.platform.protocols.openai import OpenAIEmbeddings
+
+__all__ = [
+    "Gateway",
+    "OpenAIEmbeddings",
+    "OpenInferenceProtocol",
+    "Protocol",
+    "TensorModel",
+    "TensorSpec",
+]
