@@ -9,7 +9,7 @@ has no *running* replica, asks for ``max(1, current target)`` replicas and never
 the policy: a burst of 20 requests at zero starts one replica and waits for it before the
 policy may add more. Ember's whole point is to start what the queue needs in one decision,
 so importing this module narrows that fast path to deployments that are not Ember's.
-The integration test ``test_burst_at_zero_starts_replicas_for_queue`` fails if a Ray
+The unit tests in ``tests/unit/test_ray_policy.py`` run Ray's own wrapper and fail if a Ray
 upgrade moves the hook.
 """
 

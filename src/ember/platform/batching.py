@@ -1,26 +1,28 @@
 """Dynamic batching on top of Ray Serve's ``serve.batch``.
 
 A handler written for a batch (``def f(self, items: list[X]) -> list[Y]``, or
-``def f(self, x: torch.Tensor) -> torch.Tensor`` whose rows are the items) receives items
-gathered from concurrent requests on the replica. Batch size counts *items*: a request
-carrying 10 inputs contributes 10 elements to ``serve.batch``'s queue, and gets its 10
-results back in order. Results are never mixed between requests because ``serve.batch``
-answers each element's own future.
+``def f(self, x: torch.Tensor) -> torch.Tensor`` whose rows are the items) receives the
+items of concurrent requests on the replica in one call. Batch size counts *items*: each
+request enters ``serve.batch``'s queue as one element whose size (``batch_size_fn``) is its
+item count, so a request of 10 inputs fills 10 places, and its results come back as one
+slice, in order. A request larger than a batch is cut into batch-sized chunks. Results are
+never mixed between requests because ``serve.batch`` answers each element's own future.
 
-When a whole batch raises, every item is retried alone, so one bad item fails only its own
-request and its neighbours still get answers.
+When a whole batch raises, each request in it is retried alone, so one bad item fails
+only its own request and its neighbours still get answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 from ray import serve
 
-BatchFn = Callable[[list[Any]], Awaitable[list[Any]]]
+BatchFn = Callable[[Any], Awaitable[Any]]
 
 
 class Batch(BaseModel):
@@ -39,61 +41,82 @@ class Batch(BaseModel):
     )
 
 
-class _ItemFailed:
-    """Marks one item's exception inside a batch's result list."""
+@dataclass(frozen=True)
+class Codec:
+    """How a kind of batch is joined and cut: lists of items, or tensors by rows."""
+
+    join: Callable[[Sequence[Any]], Any]
+    cut: Callable[[Any, list[int]], list[Any]]
+    chunk: Callable[[Any, int], list[Any]]
+
+
+def _cut_list(joined: Any, sizes: list[int]) -> list[Any]:
+    results = list(joined)
+    if len(results) != sum(sizes):
+        raise ValueError(f"batch handler returned {len(results)} results for {sum(sizes)} inputs")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [results[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+
+
+def _cut_rows(joined: Any, sizes: list[int]) -> list[Any]:
+    if len(joined) != sum(sizes):
+        raise ValueError(f"batch handler returned {len(joined)} rows for {sum(sizes)} inputs")
+    return list(joined.split(sizes))
+
+
+def _join_rows(parts: Sequence[Any]) -> Any:
+    import torch
+
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+LIST_CODEC = Codec(
+    join=lambda parts: [item for part in parts for item in part],
+    cut=_cut_list,
+    chunk=lambda items, n: [items[i : i + n] for i in range(0, len(items), n)],
+)
+TENSOR_CODEC = Codec(join=_join_rows, cut=_cut_rows, chunk=lambda t, n: list(t.split(n)))
+
+
+class _Failed:
+    """Marks one request's exception inside a batch's result list."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
-def stack_rows(items: Sequence[Any]) -> Any:
-    """Stack per-item tensors into one batch tensor (items are rows)."""
-    import torch
+def make_batcher(run: BatchFn, batch: Batch, codec: Codec) -> Callable[[Any], Awaitable[Any]]:
+    """Return ``submit(items) -> results``, batching concurrent submissions through ``run``.
 
-    return torch.stack(list(items))
+    Args:
+        run: Calls the user's handler on a joined batch.
+        batch: Size and wait limits.
+        codec: Joins requests into a batch and cuts the result back.
+    """
 
-
-def split_rows(result: Any, count: int) -> list[Any]:
-    """Split a batch tensor back into ``count`` rows, checking the handler kept the rows."""
-    if len(result) != count:
-        raise ValueError(f"batch handler returned {len(result)} rows for {count} inputs")
-    return list(result.unbind(0))
-
-
-def make_batcher(run: BatchFn, batch: Batch) -> Callable[[Any], Awaitable[Any]]:
-    """Return ``submit(item) -> result``, batching concurrent submissions through ``run``."""
-
-    async def run_isolated(items: list[Any]) -> list[Any]:
+    async def run_parts(parts: list[Any]) -> list[Any]:
+        sizes = [len(p) for p in parts]
         try:
-            results = await run(items)
+            return codec.cut(await run(codec.join(parts)), sizes)
         except Exception as exc:
-            if len(items) == 1:
-                return [_ItemFailed(exc)]
-            return [await _run_one(run, item) for item in items]
-        if len(results) != len(items):
-            err = ValueError(f"batch handler returned {len(results)} results for {len(items)}")
-            return [_ItemFailed(err)] * len(items)
-        return list(results)
+            if len(parts) == 1:
+                return [_Failed(exc)]
+        return [(await run_parts([part]))[0] for part in parts]  # isolate the bad request
 
     batched = serve.batch(max_batch_size=batch.max_size,
-                          batch_wait_timeout_s=batch.max_wait_ms / 1000.0)(run_isolated)
+                          batch_wait_timeout_s=batch.max_wait_ms / 1000.0,
+                          batch_size_fn=lambda parts: sum(len(p) for p in parts))(run_parts)
 
-    async def submit(item: Any) -> Any:
-        result = await batched(item)
-        if isinstance(result, _ItemFailed):
+    async def submit_one(part: Any) -> Any:
+        result = await batched(part)
+        if isinstance(result, _Failed):
             raise result.error
         return result
 
+    async def submit(items: Any) -> Any:
+        if len(items) <= batch.max_size:
+            return await submit_one(items)
+        chunks = codec.chunk(items, batch.max_size)
+        return codec.join(await asyncio.gather(*(submit_one(c) for c in chunks)))
+
     return submit
-
-
-async def _run_one(run: BatchFn, item: Any) -> Any:
-    try:
-        return (await run([item]))[0]
-    except Exception as exc:
-        return _ItemFailed(exc)
-
-
-async def submit_all(submit: Callable[[Any], Awaitable[Any]], items: Sequence[Any]) -> list[Any]:
-    """Submit every item of one request; the first failing item fails the request."""
-    return list(await asyncio.gather(*(submit(item) for item in items)))

@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ember.platform.batching import BatchFn, make_batcher, split_rows, stack_rows, submit_all
-from ember.platform.decorator import DeploymentSpec, RouteSpec
+from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, BatchFn, make_batcher
+from ember.platform.decorator import DeploymentSpec
 
 _DONE = object()
 
@@ -28,18 +28,11 @@ async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-def _batch_runner(fn: Callable[..., Any], route: RouteSpec) -> BatchFn:
-    """Adapt a batch- or tensor-form handler to ``run(items) -> results``."""
-    if route.kind == "tensor":
-        async def run_tensor(items: list[Any]) -> list[Any]:
-            return split_rows(await call_user(fn, stack_rows(items)), len(items))
+def _batch_runner(fn: Callable[..., Any]) -> BatchFn:
+    async def run(batch: Any) -> Any:
+        return await call_user(fn, batch)
 
-        return run_tensor
-
-    async def run_list(items: list[Any]) -> list[Any]:
-        return list(await call_user(fn, items))
-
-    return run_list
+    return run
 
 
 class ReplicaCore:
@@ -54,8 +47,9 @@ class ReplicaCore:
         if batch is not None:
             for route in spec.routes:
                 if route.kind in ("batch", "tensor"):
-                    fn = getattr(impl, route.attr)
-                    self._submit[route.attr] = make_batcher(_batch_runner(fn, route), batch)
+                    runner = _batch_runner(getattr(impl, route.attr))
+                    codec = TENSOR_CODEC if route.kind == "tensor" else LIST_CODEC
+                    self._submit[route.attr] = make_batcher(runner, batch, codec)
 
     def _handler(self, attr: str) -> Callable[..., Any]:
         if attr not in self.routes:  # only routes, never arbitrary attributes
@@ -67,9 +61,7 @@ class ReplicaCore:
         submit = self._submit.get(attr)
         if submit is None:
             return await call_user(fn, *(() if body is None else (body,)))
-        if self.routes[attr].kind == "tensor":
-            return stack_rows(await submit_all(submit, list(body.unbind(0))))
-        return await submit_all(submit, list(body))
+        return await submit(body)
 
     async def stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
         fn = self._handler(attr)

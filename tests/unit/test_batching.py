@@ -1,0 +1,93 @@
+"""Dynamic batching without a cluster: ``serve.batch`` runs in a plain event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, Batch, make_batcher
+
+
+@pytest.fixture(autouse=True)
+def _outside_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve.batch's queue only reads the replica context to log a sizing warning; there
+    # is no replica in a unit test, and the batching itself is what is under test.
+    from ray.serve import batching
+
+    warn = "_warn_if_max_batch_size_exceeds_max_ongoing_requests"
+    monkeypatch.setattr(batching._BatchQueue, warn, lambda self: None)
+
+
+class Recorder:
+    def __init__(self, fail_on: Any = None) -> None:
+        self.calls: list[int] = []
+        self.fail_on = fail_on
+
+    async def __call__(self, batch: Any) -> Any:
+        self.calls.append(len(batch))
+        if self.fail_on is not None and self.fail_on in list(batch):
+            raise ValueError(f"bad item {self.fail_on}")
+        return [x * 10 for x in batch]
+
+
+def test_concurrent_requests_share_one_call_and_get_their_own_results() -> None:
+    async def main() -> list[Any]:
+        submit = make_batcher(rec, Batch(max_size=64, max_wait_ms=50), LIST_CODEC)
+        return await asyncio.gather(*(submit([i, i + 100]) for i in range(8)))
+
+    rec = Recorder()
+    results = asyncio.run(main())
+    assert results == [[i * 10, (i + 100) * 10] for i in range(8)]
+    assert rec.calls == [16]  # batch size counts items: 8 requests x 2 items
+
+
+def test_one_bad_item_fails_only_its_request() -> None:
+    async def main() -> list[Any]:
+        submit = make_batcher(rec, Batch(max_size=64, max_wait_ms=50), LIST_CODEC)
+        return await asyncio.gather(*(submit([i]) for i in range(6)), return_exceptions=True)
+
+    rec = Recorder(fail_on=3)
+    results = asyncio.run(main())
+    assert isinstance(results[3], ValueError)
+    assert [r for i, r in enumerate(results) if i != 3] == [[0], [10], [20], [40], [50]]
+
+
+def test_request_larger_than_a_batch_is_chunked() -> None:
+    async def main() -> Any:
+        submit = make_batcher(rec, Batch(max_size=4, max_wait_ms=1), LIST_CODEC)
+        return await submit(list(range(10)))
+
+    rec = Recorder()
+    assert asyncio.run(main()) == [i * 10 for i in range(10)]
+    assert max(rec.calls) <= 4 and sum(rec.calls) == 10
+
+
+def test_tensor_rows_are_stacked_and_split() -> None:
+    async def double(x: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return x * 2
+
+    async def main() -> list[Any]:
+        submit = make_batcher(double, Batch(max_size=32, max_wait_ms=50), TENSOR_CODEC)
+        parts = [torch.full((n, 3), float(n)) for n in (1, 2, 3)]
+        return await asyncio.gather(*(submit(p) for p in parts))
+
+    seen: list[tuple[int, ...]] = []
+    outs = asyncio.run(main())
+    assert seen == [(6, 3)]
+    for n, out in zip((1, 2, 3), outs, strict=True):
+        assert torch.equal(out, torch.full((n, 3), 2.0 * n))
+
+
+def test_handler_returning_wrong_count_is_an_error() -> None:
+    async def short(batch: Any) -> Any:
+        return list(batch)[:-1]
+
+    async def main() -> Any:
+        return await make_batcher(short, Batch(max_size=8, max_wait_ms=1), LIST_CODEC)([1, 2])
+
+    with pytest.raises(ValueError, match="returned 1 results for 2 inputs"):
+        asyncio.run(main())
