@@ -1,4 +1,4 @@
-"""The seed MLP (256 -> 512 -> 16) served at ``POST /mlp``.
+"""The seed MLP (256 -> 512 -> 16) served at ``POST /mlp`` and over Open Inference v2.
 
 Run it with ``ember run examples/mlp_app.py:app``. On first use the app writes its weights
 as a safetensors file under ``$EMBER_CACHE_DIR`` (default ``~/.cache/ember``), so every
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 import ember
+from ember.protocols import OpenInferenceProtocol, TensorModel, TensorSpec
 
 IN_FEATURES, HIDDEN, OUT_FEATURES = 256, 512, 16
 MAX_ROWS = 512
@@ -54,7 +55,8 @@ def ensure_weights(path: Path) -> Path:
     return path
 
 
-@ember.deployment(route="/mlp", warm_floor=0, max_replicas=2, num_cpus=0.5, scaledown_after_s=60)
+@ember.deployment(route="/mlp", warm_floor=0, max_replicas=2, num_cpus=0.5, scaledown_after_s=60,
+                  batch=ember.Batch(max_size=512, max_wait_ms=2), target_queue_depth=64)
 class SeedMLP:
     def setup(self) -> None:
         torch.set_num_threads(1)
@@ -72,14 +74,21 @@ class SeedMLP:
         rows = body.inputs
         if any(len(row) != IN_FEATURES for row in rows):
             raise ember.errors.InvalidBody(f"every row of inputs must have {IN_FEATURES} numbers")
+        return MlpResponse(outputs=self.forward(torch.tensor(rows, dtype=torch.float32)).tolist())
+
+    @ember.route()  # tensor in, tensor out: batched across requests, served over OIP v2
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            out = self.model(torch.tensor(rows, dtype=torch.float32))
-        return MlpResponse(outputs=out.tolist())
+            return self.model(x)  # type: ignore[no-any-return]
 
 
 app = ember.App(
     [SeedMLP],
     name="mlp",
+    protocols=[OpenInferenceProtocol([TensorModel(
+        name="mlp", deployment="SeedMLP", attr="forward",
+        input=TensorSpec("INPUT", "FP32", (-1, IN_FEATURES)),
+        output=TensorSpec("OUTPUT", "FP32", (-1, OUT_FEATURES)))])],
     curl=(
         "curl -s -X POST {url}/mlp -H 'content-type: application/json' "
         "-d \"{{\\\"inputs\\\": [$(python3 -c 'print([0.5]*256)')]}}\""

@@ -37,6 +37,11 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         assert len(reply.json()["outputs"][0]) == 16
         bad = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 3]}, timeout=30)
         assert bad.status_code == 422
+        oip = httpx.post(f"{url}/v2/models/mlp/infer", timeout=60, json={"inputs": [
+            {"name": "INPUT", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]})
+        assert oip.status_code == 200, oip.text
+        assert oip.json()["outputs"][0]["data"] == pytest.approx(reply.json()["outputs"][0],
+                                                                 rel=1e-5)
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
                                 text=True, timeout=60, check=True)
         assert "SeedMLP" in status.stdout
