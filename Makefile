@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/ember run examples/mlp_app.py:app
+	$(BIN)/ember run ember.deployments.embeddings:app
 
 # Two pytest runs: the e2e tests start `ember run`, which starts its own Ray cluster, so they
 # run after the session cluster of the integration tests is gone (one cluster at a time).
@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/python bench/coldstart.py
+	$(BIN)/python bench/core_bench.py
+	$(BIN)/python bench/loaders_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

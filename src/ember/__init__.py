@@ -14,16 +14,26 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 from ember import errors
 from ember.platform.app import App
 from ember.platform.batching import Batch
 from ember.platform.config import DeploymentOptions
 from ember.platform.decorator import deployment, route
 from ember.platform.pipeline import pipeline
-from ember.platform.runtime import serve_app as serve
-from ember.platform.runtime import shutdown
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # serve/shutdown need Ray (seconds to import); declaring deployments, the loaders and
+    # the CLI's cache commands do not, so Ray is imported on first use only.
+    if name in ("serve", "shutdown"):
+        from ember.platform import runtime
+
+        return runtime.serve_app if name == "serve" else runtime.shutdown
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")
 
 __all__ = [
     "App",

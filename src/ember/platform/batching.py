@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
-from ray import serve
 
 BatchFn = Callable[[Any], Awaitable[Any]]
 
@@ -102,6 +101,8 @@ def make_batcher(run: BatchFn, batch: Batch, codec: Codec) -> Callable[[Any], Aw
             if len(parts) == 1:
                 return [_Failed(exc)]
         return [(await run_parts([part]))[0] for part in parts]  # isolate the bad request
+
+    from ray import serve  # imported here so that declaring deployments does not import Ray
 
     batched = serve.batch(max_batch_size=batch.max_size,
                           batch_wait_timeout_s=batch.max_wait_ms / 1000.0,

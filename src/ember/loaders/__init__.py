@@ -1,0 +1,47 @@
+"""Streaming safetensors loading through a regional and a node cache.
+
+One URL names the weights (``file://``, ``s3://``, ``gs://``, ``https://``,
+``hf://org/repo@revision[/file]``); only safetensors is accepted and nothing is ever
+unpickled. A node-cache hit is memory-mapped; a miss streams concurrent range reads from the
+regional tier (``EMBER_REGIONAL_CACHE``) or the origin, writing through to the node cache
+(``EMBER_CACHE_DIR``, default ``~/.cache/ember``).
+
+Example:
+    >>> from ember.loaders import load
+    >>> tensors = load("file:///models/mlp/model.safetensors")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from ember.loaders._api import LocalWeights, load, resolve, stream
+from ember.loaders._config import LoaderConfig
+from ember.loaders._errors import (
+    CacheFull,
+    HeaderInvalid,
+    IntegrityError,
+    ObjectChanged,
+    RangeNotSupported,
+    ShortRead,
+    SourceError,
+    UnsafeFormat,
+    UnsafePath,
+    WeightsNotFound,
+)
+
+__all__ = [
+    "CacheFull",
+    "HeaderInvalid",
+    "IntegrityError",
+    "LoaderConfig",
+    "LocalWeights",
+    "ObjectChanged",
+    "RangeNotSupported",
+    "ShortRead",
+    "SourceError",
+    "UnsafeFormat",
+    "UnsafePath",
+    "WeightsNotFound",
+    "load",
+    "resolve",
+    "stream",
+]

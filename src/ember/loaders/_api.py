@@ -1,0 +1,214 @@
+"""The public entry points: ``load``, ``stream`` and ``resolve``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ember.loaders._config import LoaderConfig, as_config
+from ember.loaders._errors import HeaderInvalid, IntegrityError, SourceError
+from ember.loaders._fetch import Fill, obtain, regional_tier
+from ember.loaders._reader import Progress
+from ember.loaders._resolve import Target, resolve_target
+from ember.loaders._tier_node import NodeHit, NodeTier
+
+if TYPE_CHECKING:
+    import torch
+
+    from ember.loaders._tensors import MappedFile
+
+ConfigLike = LoaderConfig | Mapping[str, Any] | None
+_HIT_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class LocalWeights:
+    """Node-cache paths of a URL's safetensors files, after the cache was filled.
+
+    Attributes:
+        url: the URL that was resolved.
+        paths: one snapshot link per file (``.../snapshots/<version>/<name>``), in order;
+            each resolves to an immutable, verified blob.
+        weight_map: tensor name -> file name for a sharded checkpoint, else ``None``.
+    """
+
+    url: str
+    paths: tuple[Path, ...]
+    weight_map: dict[str, str] | None = None
+
+    def load(self, *, device: str = "cpu", config: ConfigLike = None) -> dict[str, torch.Tensor]:
+        """Map every file (no copy on CPU) and return its tensors.
+
+        Raises:
+            HeaderInvalid: a blob no longer validates.
+        """
+        from ember.loaders._tensors import MappedFile
+
+        cfg = as_config(config)
+        copier = _copier(device, cfg)
+        out: dict[str, torch.Tensor] = {}
+        for path in self.paths:
+            for name, tensor in MappedFile(path, cfg.max_header_bytes).tensors():
+                out[name] = copier.copy(tensor) if copier else tensor
+        return out
+
+
+def _copier(device: str, cfg: LoaderConfig) -> Any:
+    from ember.loaders._staging import StagingCopier, select_device
+
+    chosen = select_device(device)
+    return StagingCopier(chosen, cfg.staging_bytes) if chosen.type != "cpu" else None
+
+
+def _map_hit(node: NodeTier, hit: NodeHit, cfg: LoaderConfig) -> MappedFile | None:
+    from ember.loaders._tensors import MappedFile
+
+    try:
+        mapped = MappedFile(hit.path, cfg.max_header_bytes)
+        if cfg.verify_hits:
+            mapped.verify(hit.record.sha256)
+    except (FileNotFoundError, HeaderInvalid, IntegrityError):
+        # Evicted under us, or corrupted on disk: drop it and fetch again.
+        node.remove(hit.path.parent.parent.name, hit.record.sha256)
+        return None
+    return mapped
+
+
+def _file_tensors(
+    node: NodeTier, target: Target, name: str, progress: Progress | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from ember.loaders._tensors import flat_view, tensor_view
+
+    for _ in range(_HIT_ATTEMPTS):
+        _, outcome = obtain(node, target.source, name, progress)
+        if isinstance(outcome, Fill):
+            flat = None
+            for spec in outcome.run():
+                if flat is None and outcome.reader is not None:
+                    flat = flat_view(outcome.reader.buffer)
+                if flat is not None:
+                    yield spec.name, tensor_view(flat, spec)
+            return
+        mapped = _map_hit(node, outcome, node.config)
+        if mapped is not None:
+            yield from mapped.tensors()
+            return
+    raise SourceError("the cached blob kept disappearing", url=target.source.describe(name))
+
+
+def _check_shard(target: Target, file: str, tensor: str, seen: set[str]) -> None:
+    if target.weight_map is None:
+        return
+    if target.weight_map.get(tensor) != file or tensor in seen:
+        raise HeaderInvalid(name=file, reason=f"tensor {tensor!r} is not mapped to it by the index")
+    seen.add(tensor)
+
+
+def stream(
+    url: str, *, device: str = "cpu", config: ConfigLike = None, progress: Progress | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` as each tensor's bytes become available.
+
+    A node-cache hit maps the blob (tensors are views on the page cache); a miss streams
+    from the regional tier or the origin, writing through to the caches.
+
+    Args:
+        url: ``file://``, ``s3://``, ``gs://``, ``https://`` or ``hf://org/repo@rev[/file]``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+        config: a :class:`LoaderConfig` or a mapping of its fields.
+        progress: optional ``(bytes_done, bytes_total)`` callback, per file.
+
+    Returns:
+        An iterator of ``(name, tensor)`` pairs.
+
+    Raises:
+        UnsafeFormat: the weights are pickle-based.
+        HeaderInvalid: a header or index lies about the file.
+        WeightsError: any other failure to fetch, verify or cache the weights.
+
+    Example:
+        >>> for name, tensor in stream("file:///models/mlp/model.safetensors"):  # doctest: +SKIP
+        ...     model.get_parameter(name).data = tensor
+    """
+    cfg = as_config(config)
+    target = resolve_target(url, cfg)
+    copier = _copier(device, cfg)
+    node = NodeTier(cfg)
+    seen: set[str] = set()
+    try:
+        for name in target.files:
+            for tensor_name, tensor in _file_tensors(node, target, name, progress):
+                _check_shard(target, name, tensor_name, seen)
+                yield tensor_name, copier.copy(tensor) if copier else tensor
+        if target.weight_map is not None and len(seen) != len(target.weight_map):
+            missing = sorted(set(target.weight_map) - seen)[:5]
+            raise HeaderInvalid(name=url, reason=f"index lists tensors no shard has: {missing}")
+    finally:
+        target.source.close()
+
+
+def load(
+    url: str, *, device: str = "cpu", config: ConfigLike = None, progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of ``url`` (see :func:`stream` for the arguments and errors).
+
+    A blob from the regional tier that fails its checksum is dropped there and the load is
+    retried once from the origin.
+
+    Returns:
+        A dict of tensor name to tensor.
+
+    Example:
+        >>> tensors = load("hf://sentence-transformers/all-MiniLM-L6-v2")  # doctest: +SKIP
+    """
+    try:
+        return dict(stream(url, device=device, config=config, progress=progress))
+    except IntegrityError:
+        return dict(stream(url, device=device, config=config, progress=progress))
+
+
+def resolve(
+    url: str, *, config: ConfigLike = None, progress: Progress | None = None
+) -> LocalWeights:
+    """Fill the node (and regional) cache for ``url`` and return the local paths.
+
+    Args:
+        url: the weights URL (as for :func:`stream`).
+        config: a :class:`LoaderConfig` or a mapping of its fields.
+        progress: optional ``(bytes_done, bytes_total)`` callback, per file.
+
+    Returns:
+        :class:`LocalWeights` with one node-cache path per safetensors file.
+
+    Raises:
+        WeightsError: as for :func:`stream`.
+    """
+    cfg = as_config(config)
+    target = resolve_target(url, cfg)
+    node = NodeTier(cfg)
+    regional = regional_tier(cfg)
+    paths: list[Path] = []
+    try:
+        for name in target.files:
+            key, outcome = obtain(node, target.source, name, progress)
+            if isinstance(outcome, Fill):
+                for _ in outcome.run():
+                    pass
+                hit = outcome.hit
+                if hit is None:
+                    raise SourceError("fill finished without publishing", url=url)
+            else:
+                hit = outcome
+                if regional is not None and regional.lookup(key) is None:
+                    regional.publish_file(key, hit.path, hit.record)
+            paths.append(hit.link)
+    finally:
+        target.source.close()
+    return LocalWeights(url, tuple(paths), target.weight_map)
+
+
+def cache_root(config: ConfigLike = None) -> Path:
+    """The node cache directory the given config (or the environment) selects."""
+    return as_config(config).node_root()

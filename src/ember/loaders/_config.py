@@ -1,0 +1,100 @@
+"""Loader configuration: one Pydantic model, units in the field names."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+MiB = 1 << 20
+GiB = 1 << 30
+#: The safetensors format caps the JSON header at 100 MB; Ember never reads more.
+HEADER_CAP_BYTES = 100_000_000
+
+
+def default_cache_dir() -> Path:
+    """The node cache directory: ``EMBER_CACHE_DIR`` or ``~/.cache/ember``."""
+    env = os.environ.get("EMBER_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ember"
+
+
+class LoaderConfig(BaseModel):
+    """How weights are fetched and cached.
+
+    Args:
+        range_bytes: size of each merged range read of tensor bytes.
+        max_concurrency: range reads in flight at once, per file.
+        cache_dir: node cache directory; ``None`` reads ``EMBER_CACHE_DIR`` (default
+            ``~/.cache/ember``) when the loader runs.
+        regional_cache: fsspec URL of the regional tier; ``None`` reads
+            ``EMBER_REGIONAL_CACHE``; an empty string disables the tier.
+        cache_max_bytes: LRU cap on the node cache's blob bytes.
+        min_free_bytes: free disk space a fill must leave behind.
+        lease_timeout_s: a fill lease whose heartbeat is older than this is taken over.
+        lease_heartbeat_s: how often a filler refreshes its lease.
+        poll_interval_s: how often a waiter in another process checks a fill.
+        max_header_bytes: largest safetensors header accepted (at most 100 MB).
+        staging_bytes: size of the pinned buffer used for host-to-device copies.
+        verify_hits: re-hash a node-cache blob on every hit (slow, thorough).
+        storage_options: keyword arguments for the origin's fsspec filesystem
+            (e.g. ``{"endpoint_url": ...}`` for s3fs).
+        regional_storage_options: the same for the regional tier's filesystem.
+
+    Raises:
+        pydantic.ValidationError: a value is out of range, or the heartbeat is not well
+            under the lease timeout.
+
+    Example:
+        >>> LoaderConfig(range_bytes=4 << 20, max_concurrency=4).max_concurrency
+        4
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    range_bytes: PositiveInt = 8 * MiB
+    max_concurrency: int = Field(default=8, ge=1, le=256)
+    cache_dir: Path | None = None
+    regional_cache: str | None = None
+    cache_max_bytes: PositiveInt = 64 * GiB
+    min_free_bytes: int = Field(default=256 * MiB, ge=0)
+    lease_timeout_s: PositiveFloat = 30.0
+    lease_heartbeat_s: PositiveFloat = 5.0
+    poll_interval_s: PositiveFloat = 0.05
+    max_header_bytes: int = Field(default=HEADER_CAP_BYTES, ge=2, le=HEADER_CAP_BYTES)
+    staging_bytes: PositiveInt = 64 * MiB
+    verify_hits: bool = False
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    regional_storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _heartbeat_under_timeout(self) -> LoaderConfig:
+        # A heartbeat slower than half the timeout lets a live filler look dead.
+        if self.lease_heartbeat_s * 2 > self.lease_timeout_s:
+            raise ValueError(
+                f"lease_heartbeat_s ({self.lease_heartbeat_s}) must be at most half of "
+                f"lease_timeout_s ({self.lease_timeout_s})"
+            )
+        return self
+
+    def node_root(self) -> Path:
+        """The node cache directory this config resolves to now."""
+        return (self.cache_dir or default_cache_dir()).expanduser()
+
+    def regional_url(self) -> str | None:
+        """The regional tier's URL, or ``None`` when there is no regional tier."""
+        url = self.regional_cache
+        if url is None:
+            url = os.environ.get("EMBER_REGIONAL_CACHE")
+        return url or None
+
+
+def as_config(config: LoaderConfig | Mapping[str, Any] | None) -> LoaderConfig:
+    """Accept a model, a mapping of fields, or ``None`` for the defaults."""
+    if config is None:
+        return LoaderConfig()
+    if isinstance(config, LoaderConfig):
+        return config
+    return LoaderConfig.model_validate(dict(config))

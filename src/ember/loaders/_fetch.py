@@ -1,0 +1,133 @@
+"""One file through the tiers: node hit, or a single-flight fill from regional or origin."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from ember.loaders._config import LoaderConfig
+from ember.loaders._errors import IntegrityError
+from ember.loaders._flight import FillTicket, claim
+from ember.loaders._header import Header, TensorSpec
+from ember.loaders._reader import Progress, StreamingReader
+from ember.loaders._source import ObjectInfo, WeightSource
+from ember.loaders._tier import BlobKey, BlobRecord
+from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
+from ember.loaders._tier_regional import RegionalTier
+
+log = logging.getLogger("ember.loaders")
+
+
+def regional_tier(config: LoaderConfig) -> RegionalTier | None:
+    """The configured regional tier, if any."""
+    url = config.regional_url()
+    return RegionalTier(url, dict(config.regional_storage_options)) if url else None
+
+
+class Fill:
+    """Streams one file from the next tier into the node cache, writing through.
+
+    Args:
+        node: the node tier to fill.
+        source: the origin.
+        info: the origin object's size and version.
+        key: the blob key.
+        ticket: the single-flight ticket for ``key``.
+        progress: optional ``(bytes_done, bytes_total)`` callback.
+
+    After :meth:`run` is exhausted, :attr:`hit` is the published blob.
+    """
+
+    def __init__(
+        self,
+        node: NodeTier,
+        source: WeightSource,
+        info: ObjectInfo,
+        key: BlobKey,
+        ticket: FillTicket,
+        progress: Progress | None = None,
+    ) -> None:
+        self.node, self.source, self.info, self.key = node, source, info, key
+        self.ticket = ticket
+        self.progress = progress
+        self.regional = regional_tier(node.config)
+        self.hit: NodeHit | None = None
+        self.reader: StreamingReader | None = None
+        self._from_regional = False
+
+    def _open_reader(self) -> StreamingReader:
+        source, info = self.source, self.info
+        if self.regional is not None:
+            record = self._regional_record(self.regional)
+            if record is not None:
+                source, info = self.regional.source_for(self.key, record)
+                self._from_regional = True
+        return StreamingReader(source, info, self.node.config, progress=self.progress)
+
+    def _regional_record(self, regional: RegionalTier) -> BlobRecord | None:
+        try:
+            record = regional.lookup(self.key)
+        except OSError as exc:  # an unreachable regional tier degrades to the origin
+            log.warning("regional cache %s unavailable: %s", regional.location, exc)
+            return None
+        return record if record is not None and record.size == self.info.size else None
+
+    @property
+    def header(self) -> Header:
+        """The validated header (available once :meth:`run` has started)."""
+        if self.reader is None:
+            raise RuntimeError("Fill.run() has not started")
+        return self.reader.header
+
+    def run(self) -> Iterator[TensorSpec]:
+        """Yield tensor specs as their bytes arrive; publish the blob at the end.
+
+        Raises:
+            WeightsError: the read, the verification or the cache write failed; every
+                process waiting on this fill receives the same error.
+        """
+        tmp: TempBlob | None = None
+        try:
+            self.reader = reader = self._open_reader()
+            tmp = self.node.begin_fill(self.key, self.info.size)
+            reader.attach_sink(tmp.write_at)
+            yield from reader.run()
+            self.hit = self.node.commit(self.key, tmp, BlobRecord(reader.sha256, self.info.size))
+        except BaseException as exc:
+            if tmp is not None:
+                tmp.discard()
+            if isinstance(exc, IntegrityError) and self._from_regional and self.regional:
+                self.regional.remove(self.key.namespace, str(exc.fields.get("expected")))
+            self.ticket.finish(exc, published=False)
+            raise
+        self.ticket.finish()
+        self._after_publish(self.hit)
+
+    def _after_publish(self, hit: NodeHit) -> None:
+        commit = getattr(self.source, "commit", None)
+        revision = getattr(self.source, "revision", None)
+        if isinstance(commit, str) and isinstance(revision, str):
+            self.node.write_ref(self.key.namespace, revision, commit)
+        if self.regional is not None and not self._from_regional:
+            try:
+                self.regional.publish_file(self.key, hit.path, hit.record)
+            except OSError as exc:  # the node copy is good; the region fills next time
+                log.warning("could not publish to %s: %s", self.regional.location, exc)
+
+
+def obtain(
+    node: NodeTier, source: WeightSource, name: str, progress: Progress | None = None
+) -> tuple[BlobKey, NodeHit | Fill]:
+    """The key for ``name`` and either its node hit or a :class:`Fill` the caller must run.
+
+    Raises:
+        WeightsError: the origin cannot be read, or a fill this call waited on failed.
+    """
+    info = source.stat(name)
+    key = BlobKey(source.namespace, info.version, name)
+    outcome = claim(node, key)
+    if isinstance(outcome, NodeHit):
+        if progress is not None:
+            progress(info.size, info.size)
+        return key, outcome
+    return key, Fill(node, source, info, key, outcome, progress)

@@ -1,0 +1,111 @@
+"""https:// semantics against a stdlib HTTP server on loopback."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HttpOrigin, make_weights
+
+from ember.loaders import (
+    LoaderConfig,
+    ObjectChanged,
+    RangeNotSupported,
+    ShortRead,
+    load,
+    stream,
+)
+
+
+def _serve(origin: HttpOrigin, tmp_path: Path, n: int = 16) -> tuple[str, dict[str, torch.Tensor]]:
+    path = tmp_path / "weights" / "model.safetensors"
+    tensors = make_weights(path, n=n)
+    return origin.put("model.safetensors", path.read_bytes()), tensors
+
+
+def test_http_load_equals_and_reads_ranges(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig
+) -> None:
+    url, tensors = _serve(http_origin, tmp_path)
+    got = load(url, config=config)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    gets = http_origin.ranged_gets("model.safetensors")
+    # Two small header reads, then the data region in 16 KiB ranges.
+    assert gets[0] == "bytes=0-7" and gets[1].startswith("bytes=8-")
+    assert len(gets) == 2 + -(-(16 * 4096 * 4) // (16 << 10))
+    load(url, config=config)
+    assert len(http_origin.ranged_gets("model.safetensors")) == len(gets)  # a node hit
+
+
+def test_server_ignoring_range_is_refused(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig
+) -> None:
+    url, _ = _serve(http_origin, tmp_path)
+    http_origin.ignore_range = True
+    with pytest.raises(RangeNotSupported, match="status 200, expected 206"):
+        load(url, config=config)
+    assert not list(Path(str(config.cache_dir)).glob("*/blobs/*"))
+
+
+def test_short_reads_are_refused(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig
+) -> None:
+    url, _ = _serve(http_origin, tmp_path)
+    http_origin.short_by = 1
+    with pytest.raises(ShortRead, match="bytes 0-8 returned 7"):
+        load(url, config=config)
+
+
+def test_object_changing_mid_stream_is_refused(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig
+) -> None:
+    url, _ = _serve(http_origin, tmp_path, n=32)
+    http_origin.delay_s = 0.03
+    replacement = tmp_path / "v2" / "model.safetensors"
+    make_weights(replacement, n=33)
+    with pytest.raises(ObjectChanged, match="ETag"):
+        for _name, _tensor in stream(url, config=config):
+            http_origin.put("model.safetensors", replacement.read_bytes())
+    assert not list(Path(str(config.cache_dir)).glob("*/blobs/*"))
+
+
+def test_threads_share_one_fetch_and_one_error(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig
+) -> None:
+    url, tensors = _serve(http_origin, tmp_path)
+    http_origin.delay_s = 0.02
+    results: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait()
+        try:
+            results.append(load(url, config=config))
+        except Exception as exc:  # collected and asserted below
+            results.append(exc)
+
+    def run_all() -> None:
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    run_all()
+    assert all(
+        isinstance(r, dict) and torch.equal(r["layer.03.weight"], tensors["layer.03.weight"])
+        for r in results
+    )
+    assert http_origin.ranged_gets("model.safetensors").count("bytes=0-7") == 1
+    # A failing fill: every waiting thread gets the leader's typed error.
+    results.clear()
+    http_origin.put("model.safetensors", b"\x10" + b"\0" * 7 + b"{}")
+    http_origin.log.clear()
+    http_origin.delay_s = 1.0  # the threads wait on the leader while its fill fails
+    run_all()
+    assert len(results) == 8 and all(type(r).__name__ == "HeaderInvalid" for r in results)
+    # Waiters got the leader's error instead of fetching themselves (on a loaded machine a
+    # thread may start only after the failure and then fetches, and fails, on its own).
+    assert http_origin.ranged_gets("model.safetensors").count("bytes=0-7") <= 2

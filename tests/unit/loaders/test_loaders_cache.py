@@ -1,0 +1,208 @@
+"""The node cache: verification on hit, eviction, bounds, unsafe paths, leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.loaders import CacheFull, HeaderInvalid, LoaderConfig, UnsafePath, load, resolve
+from ember.loaders._lease import Lease, acquire
+from ember.loaders._paths import check_relative, within
+from ember.loaders._tier_node import NodeTier
+
+Writer = Callable[[dict[str, torch.Tensor], str], Path]
+
+
+def _blob(config: LoaderConfig, path: Path) -> Path:
+    return resolve(path.as_uri(), config=config).paths[0].resolve()
+
+
+def test_truncated_blob_is_detected_and_refetched(
+    write_file: Writer, config: LoaderConfig, sample_tensors: dict[str, torch.Tensor]
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+    blob = _blob(config, path)
+    size = blob.stat().st_size
+    os.truncate(blob, size // 2)
+    got = load(path.as_uri(), config=config)
+    assert torch.equal(got["embed.weight"], sample_tensors["embed.weight"])
+    assert _blob(config, path).stat().st_size == size
+
+
+def test_corrupted_header_is_detected_and_refetched(
+    write_file: Writer, config: LoaderConfig, sample_tensors: dict[str, torch.Tensor]
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+    blob = _blob(config, path)
+    data = bytearray(blob.read_bytes())
+    data[8] = ord("[")  # same size, broken JSON
+    blob.write_bytes(bytes(data))
+    got = load(path.as_uri(), config=config)
+    assert torch.equal(got["positions"], sample_tensors["positions"])
+    assert _blob(config, path).read_bytes()[8:9] == b"{"
+
+
+def test_verify_hits_catches_flipped_tensor_bytes(
+    write_file: Writer, config: LoaderConfig, sample_tensors: dict[str, torch.Tensor]
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+    blob = _blob(config, path)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    strict = config.model_copy(update={"verify_hits": True})
+    got = load(path.as_uri(), config=strict)
+    assert torch.equal(got["empty"], sample_tensors["empty"])
+    assert bytes(_blob(config, path).read_bytes()) == path.read_bytes()
+
+
+def test_lru_eviction_by_unlink_keeps_open_mappings_valid(
+    write_file: Writer, config: LoaderConfig
+) -> None:
+    files = {
+        k: write_file({"w": torch.full((1000,), float(i))}, f"{k}.safetensors")
+        for i, k in enumerate("abc")
+    }
+    one = files["a"].stat().st_size
+    capped = config.model_copy(update={"cache_max_bytes": 2 * one + 10})
+    held = load(files["a"].as_uri(), config=capped)["w"]
+    load(files["b"].as_uri(), config=capped)
+    time.sleep(0.02)
+    load(files["a"].as_uri(), config=capped)  # a is now more recently used than b
+    load(files["c"].as_uri(), config=capped)
+    node = NodeTier(capped)
+    cached = {e.names[0].rsplit("/", 1)[-1] for e in node.entries()}
+    assert cached == {"a.safetensors", "c.safetensors"}
+    assert sum(e.size for e in node.entries()) <= capped.cache_max_bytes
+    assert torch.equal(held, torch.full((1000,), 0.0))
+
+
+def test_blob_over_the_cap_is_refused_and_leaves_nothing(
+    write_file: Writer, config: LoaderConfig
+) -> None:
+    path = write_file({"w": torch.zeros(4096)}, "big.safetensors")
+    tiny = config.model_copy(update={"cache_max_bytes": 1024})
+    with pytest.raises(CacheFull, match="cache_max_bytes=1024"):
+        load(path.as_uri(), config=tiny)
+    assert not list(Path(str(config.cache_dir)).glob("*/blobs/*"))
+
+
+def test_free_disk_floor_is_checked_before_a_fill(write_file: Writer, config: LoaderConfig) -> None:
+    path = write_file({"w": torch.zeros(16)}, "w.safetensors")
+    greedy = config.model_copy(update={"min_free_bytes": 1 << 60})
+    with pytest.raises(CacheFull, match="min_free_bytes"):
+        load(path.as_uri(), config=greedy)
+    assert not list(Path(str(config.cache_dir)).glob("*/blobs/*"))
+
+
+def test_snapshot_link_out_of_the_root_is_refused(
+    write_file: Writer, config: LoaderConfig, tmp_path: Path
+) -> None:
+    path = write_file({"w": torch.zeros(16)}, "w.safetensors")
+    link = resolve(path.as_uri(), config=config).paths[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(path.read_bytes())
+    link.unlink()
+    link.symlink_to(outside)
+    with pytest.raises(UnsafePath, match="outside the cache root"):
+        load(path.as_uri(), config=config)
+
+
+@pytest.mark.parametrize(
+    "name", ["../x.safetensors", "/etc/passwd", "a\\b.safetensors", "a\0b", "a/../../b", "", "./a"]
+)
+def test_unsafe_names_are_refused(name: str) -> None:
+    with pytest.raises(UnsafePath):
+        check_relative(name)
+
+
+def test_within_refuses_symlink_escape(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "esc").symlink_to(tmp_path)
+    with pytest.raises(UnsafePath):
+        within(root, root / "esc" / "x")
+    assert within(root, root / "ok") == (root / "ok").resolve()
+
+
+def test_temp_of_a_dead_filler_is_swept(config: LoaderConfig) -> None:
+    node = NodeTier(config)
+    blobs = node.root / "ns" / "blobs"
+    blobs.mkdir(parents=True)
+    import socket
+
+    from ember.loaders._paths import component
+
+    dead = blobs / f".tmp-{component(socket.gethostname())}-999999999-abc"
+    live = blobs / f".tmp-{component(socket.gethostname())}-{os.getpid()}-def"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    node.sweep_temps()
+    assert not dead.exists() and live.exists()
+
+
+def _lease_args(config: LoaderConfig) -> dict[str, float]:
+    return {
+        "timeout_s": config.lease_timeout_s,
+        "heartbeat_s": config.lease_heartbeat_s,
+        "poll_s": config.poll_interval_s,
+    }
+
+
+def test_a_failed_fill_error_reaches_a_waiter(tmp_path: Path, config: LoaderConfig) -> None:
+    path = tmp_path / "k.lease"
+    holder = acquire(path, lambda: None, **_lease_args(config))
+    assert isinstance(holder, Lease)
+    caught: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            acquire(path, lambda: None, **_lease_args(config))
+        except HeaderInvalid as exc:
+            caught.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    holder.release(HeaderInvalid(name="m", reason="bad dtype"))
+    waiter.join(10)
+    assert [getattr(e, "reason", None) for e in caught] == ["bad dtype"]
+
+
+def test_dead_holder_is_taken_over_and_live_heartbeat_is_not(
+    tmp_path: Path, config: LoaderConfig
+) -> None:
+    path = tmp_path / "k.lease"
+    import socket
+
+    path.write_text(json.dumps({"token": "t", "pid": 999999999, "host": socket.gethostname()}))
+    config = config.model_copy(update={"lease_timeout_s": 0.5, "lease_heartbeat_s": 0.1})
+    start = time.monotonic()
+    taken = acquire(path, lambda: None, **_lease_args(config))
+    assert isinstance(taken, Lease) and time.monotonic() - start < 1.0
+    # A live holder that outlives the timeout keeps its lease through the heartbeat.
+    done = threading.Event()
+    threading.Timer(3 * config.lease_timeout_s, done.set).start()
+    result = acquire(path, lambda: "published" if done.is_set() else None, **_lease_args(config))
+    assert result == "published"
+    taken.release()
+    assert not path.exists()
+
+
+def test_stale_heartbeat_from_another_host_is_taken_over(
+    tmp_path: Path, config: LoaderConfig
+) -> None:
+    path = tmp_path / "k.lease"
+    path.write_text(json.dumps({"token": "t", "pid": 1, "host": "other-host"}))
+    old = time.time() - 10 * config.lease_timeout_s
+    os.utime(path, (old, old))
+    taken = acquire(path, lambda: None, **_lease_args(config))
+    assert isinstance(taken, Lease)
+    taken.release()

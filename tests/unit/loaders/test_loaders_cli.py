@@ -1,0 +1,64 @@
+"""``ember cache`` subcommands, driven through argparse as the main CLI will."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.loaders import LoaderConfig, resolve
+from ember.loaders._cli import register
+
+Writer = Callable[[dict[str, torch.Tensor], str], Path]
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="ember")
+    register(parser.add_subparsers())
+    args = parser.parse_args(list(argv))
+    code: int = args.func(args)
+    return code
+
+
+def test_warm_ls_verify_evict(
+    write_file: Writer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = str(tmp_path / "cli-cache")
+    path = write_file({"w": torch.ones(1000)}, "model.safetensors")
+    assert _run("cache", "--cache-dir", cache, "warm", path.as_uri()) == 0
+    out = capsys.readouterr()
+    assert "snapshots" in out.out and "warm" in out.err  # link printed; progress bar drawn
+    assert _run("cache", "--cache-dir", cache, "ls") == 0
+    listing = capsys.readouterr().out
+    assert "1 blobs" in listing and "model.safetensors" in listing
+    assert _run("cache", "--cache-dir", cache, "verify") == 0
+    link = resolve(path.as_uri(), config=LoaderConfig(cache_dir=Path(cache))).paths[0]
+    blob = link.resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert _run("cache", "--cache-dir", cache, "verify") == 1
+    assert not blob.exists()
+    assert _run("cache", "--cache-dir", cache, "warm", path.as_uri()) == 0
+    key = link.resolve().name
+    capsys.readouterr()
+    assert _run("cache", "--cache-dir", cache, "evict", "../../etc") == 2
+    assert "unsafe path" in capsys.readouterr().err
+    assert _run("cache", "--cache-dir", cache, "evict", "ffffffffff") == 1
+    assert _run("cache", "--cache-dir", cache, "evict", key[:10]) == 0
+    assert not link.exists() and not (link.parents[2] / "blobs" / key).exists()
+    assert _run("cache", "--cache-dir", cache, "warm", path.as_uri()) == 0
+    assert _run("cache", "--cache-dir", cache, "evict", "--all") == 0
+    assert "removed 1 blob(s)" in capsys.readouterr().out
+
+
+def test_warm_reports_errors_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(b"\x80\x04")
+    assert _run("cache", "--cache-dir", str(tmp_path / "c"), "warm", bad.as_uri()) == 2
+    assert "convert it to safetensors" in capsys.readouterr().err
