@@ -79,4 +79,5 @@ class Cold:
         return {"item": body.item}
 
 
-app = ember.App([Echo, Sleeper, Faulty, Cold], name="core-tests")
+# No warm pool: these tests are about the deployments' own replicas and the policy.
+app = ember.App([Echo, Sleeper, Faulty, Cold], name="core-tests", warm_pool=0)

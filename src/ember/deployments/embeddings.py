@@ -62,7 +62,8 @@ def load_encoder(device: torch.device) -> MiniLMEncoder:
 
 @ember.deployment(name="MiniLM", route="/embed", warm_floor=0, max_replicas=2, num_cpus=1,
                   batch=ember.Batch(max_size=64, max_wait_ms=5), target_queue_depth=32,
-                  scaledown_after_s=300, max_request_bytes=4 << 20, request_timeout_s=120)
+                  scaledown_after_s=300, max_request_bytes=4 << 20, request_timeout_s=120,
+                  preload=True, cold_start_budget_s=1.0)
 class MiniLM:
     """Tokenize, encode, mean-pool and normalise, in one replica."""
 
@@ -70,6 +71,8 @@ class MiniLM:
         self.device = pick_device(os.environ.get("EMBER_DEVICE"))
         self.model = load_encoder(self.device)
         self.tokenizer = Tokenizer(find_model_files().tokenizer)
+
+    def warmup(self) -> None:
         self(["warm up the kernels before the replica reports ready"])
 
     def __call__(self, texts: list[str]) -> list[Embedding]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ class App:
         curl: Optional example request printed by ``ember run``; ``{url}`` is replaced by
             the server's base URL.
         protocols: Client APIs served on top (OpenAI embeddings, Open Inference v2).
+        warm_pool: Pre-warmed pool replicas that serve deployments at zero replicas while
+            their own replicas start; ``None`` reads ``EMBER_WARM_POOL`` (default 1), 0 = off.
 
     Raises:
         ConfigError: on duplicate deployment names or routes.
@@ -44,6 +47,7 @@ class App:
         name: str = "ember",
         curl: str | None = None,
         protocols: Sequence[Protocol] = (),
+        warm_pool: int | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"app name {name!r} must look like 'ember' or 'my-app'")
@@ -52,6 +56,7 @@ class App:
         self.name = name
         self.curl = curl
         self.protocols = tuple(protocols)
+        self.warm_pool = _pool_size(warm_pool)
         self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
         self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
         stages = [stage for pipe in self.pipelines for stage in pipe.stages]
@@ -68,6 +73,12 @@ class App:
             yield from (r for r in spec.routes if r.http_servable)
         for pipe in self.pipelines:
             yield pipe.route_spec()
+
+    def pool_specs(self) -> list[DeploymentSpec]:
+        """Deployments the warm pool may serve: opted in and CPU-only (the pool has no GPU)."""
+        if self.warm_pool == 0:
+            return []
+        return [s for s in self.specs if s.options.warm_pool and s.options.num_gpus == 0]
 
     def timeouts(self) -> dict[str, float]:
         """Per-route timeouts that differ from the deployment's (pipelines own theirs)."""
@@ -104,3 +115,15 @@ class App:
 
     def __repr__(self) -> str:
         return f"App(name={self.name!r}, deployments={[s.name for s in self.specs]})"
+
+
+def _pool_size(size: int | None) -> int:
+    if size is None:
+        raw = os.environ.get("EMBER_WARM_POOL", "1").strip() or "1"
+        try:
+            size = int(raw)
+        except ValueError:
+            raise ConfigError(f"EMBER_WARM_POOL must be a whole number, got {raw!r}") from None
+    if size < 0:
+        raise ConfigError(f"warm_pool must be 0 (off) or more, got {size}")
+    return size

@@ -68,6 +68,15 @@ class DeploymentOptions(BaseModel):
     graceful_shutdown_s: PositiveFloat = Field(
         default=20.0, description="A replica being removed gets this long to finish in-flight work."
     )
+    cold_start_budget_s: PositiveFloat | None = Field(
+        default=None, description="Declared budget for a request that meets zero replicas."
+    )
+    preload: bool = Field(
+        default=False, description="Construct in the warm pool before any request arrives."
+    )
+    warm_pool: bool = Field(
+        default=True, description="Let the app's warm pool serve requests at zero replicas."
+    )
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
 

@@ -99,6 +99,9 @@ def deployment(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     graceful_shutdown_s: float = 20.0,
+    cold_start_budget_s: float | None = None,
+    preload: bool = False,
+    warm_pool: bool = True,
 ) -> Callable[[T], T]: ...
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ray.exceptions import ActorDiedError, RayTaskError
@@ -26,11 +28,25 @@ from ember.errors import (
     RequestTimeout,
     UserCodeError,
 )
+from ember.platform import coldstart
+from ember.platform.coldstart import ColdStartReport, ReplicaTimeline
 from ember.platform.config import DeploymentOptions
 from ember.platform.decorator import RouteSpec
 from ember.platform.state import LoadTracker
 
 logger = logging.getLogger("ember.ingress")
+
+#: A cold deployment is pinged at most this often while it has no running replica.
+_WAKE_EVERY_S = 5.0
+_TIMELINE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Outcome:
+    """A handler's result, and how the cold start went if the request met one."""
+
+    value: Any
+    cold: ColdStartReport | None = None
 
 
 class Dispatcher:
@@ -42,17 +58,22 @@ class Dispatcher:
         options: dict[str, DeploymentOptions],
         tracker: LoadTracker,
         timeouts: dict[str, float] | None = None,
+        pool: DeploymentHandle[Any] | None = None,
+        pool_names: frozenset[str] = frozenset(),
     ) -> None:
         self._handles = handles
         self._calls = {n: h.options(method_name="ember_call") for n, h in handles.items()}
         self._options = options
         self._timeouts = timeouts or {}
+        self._pool = pool.options(method_name="ember_call") if pool is not None else None
+        self._pool_names = pool_names
+        self._woken_at: dict[str, float] = {}
         self.tracker = tracker
 
     def timeout_for(self, route: RouteSpec) -> float:
         return self._timeouts.get(route.path, self._options[route.deployment].request_timeout_s)
 
-    async def call(self, route: RouteSpec, body: Any, request_id: str) -> Any:
+    async def call(self, route: RouteSpec, body: Any, request_id: str) -> Outcome:
         """Run ``route`` (a handler, or a pipeline's chain) and return its result.
 
         Raises:
@@ -60,21 +81,56 @@ class Dispatcher:
             RequestTimeout: no answer within the timeout; the work is cancelled.
             UserCodeError: the handler raised something that is not an ``EmberError``.
         """
+        arrived = time.time()
         chain = route.chain or ((route.deployment, route.attr),)
-        with self._tracking([name for name, _ in chain]):
+        with self._tracking([name for name, _ in chain]) as cold:
+            if not route.chain and self._pool_can_serve(route.deployment):
+                return await self._via_pool(route, body, request_id, arrived)
             self._wake_cold(chain[1:])
             responses: list[Any] = []
             value: Any = body
             for name, attr in chain:
                 value = self._calls[name].remote(attr, value)
                 responses.append(value)
-            return await self._await(responses, route, request_id)
+            result = await self._await(responses, route, request_id)
+        report = await self._replica_report(route.deployment, arrived) if cold else None
+        return Outcome(result, report)
+
+    def _pool_can_serve(self, name: str) -> bool:
+        return (self._pool is not None and name in self._pool_names
+                and self.tracker.loads[name].running == 0 and self.tracker.pool_running > 0)
+
+    async def _via_pool(self, route: RouteSpec, body: Any, request_id: str,
+                        arrived: float) -> Outcome:
+        """Serve from the warm pool while the deployment's own replica starts."""
+        if self._pool is None:  # _pool_can_serve said yes, so this cannot happen
+            raise RuntimeError("warm pool is not configured")
+        self._wake_cold(((route.deployment, route.attr),))
+        response = self._pool.remote(route.deployment, route.attr, body)
+        value, timeline = await self._await([response], route, request_id)
+        report = coldstart.report(arrived, time.time(), ReplicaTimeline(**timeline), "pool")
+        self.tracker.record_cold(route.deployment, report)
+        return Outcome(value, report)
+
+    async def _replica_report(self, name: str, arrived: float) -> ColdStartReport:
+        """Phases of a cold request served by the deployment's own (new) replica."""
+        answered = time.time()
+        timeline: ReplicaTimeline | None = None
+        try:
+            ping = self._handles[name].options(method_name="ember_ping").remote()
+            timeline = ReplicaTimeline(**await asyncio.wait_for(_resolve(ping),
+                                                                _TIMELINE_TIMEOUT_S))
+        except Exception:  # phases are best effort; the answer itself already succeeded
+            logger.debug("no replica timeline for %s", name, exc_info=True)
+        report = coldstart.report(arrived, answered, timeline, "replica")
+        self.tracker.record_cold(name, report)
+        return report
 
     async def call_attr(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
         """Call one handler by name (used by protocol adapters)."""
         route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
                           attr=attr, input_model=None, output_model=None, is_async=True)
-        return await self.call(route, body, request_id)
+        return (await self.call(route, body, request_id)).value
 
     async def stream(self, route: RouteSpec, body: Any, request_id: str) -> AsyncIterator[Any]:
         """Yield a streaming handler's chunks as they are produced."""
@@ -114,17 +170,25 @@ class Dispatcher:
         return exc
 
     def _wake_cold(self, stages: tuple[tuple[str, str], ...]) -> None:
-        """Ping every later stage that has no running replica, so all cold starts overlap."""
+        """Ping every stage that has no running replica, so all cold starts overlap.
+
+        The ping waits in the deployment's queue like any request, which is what makes Ray
+        Serve's controller start a replica; one ping per few seconds is enough.
+        """
+        now = time.monotonic()
         for name, _ in stages:
-            if self.tracker.loads[name].running == 0:
+            if self.tracker.loads[name].running > 0:
+                continue
+            if now - self._woken_at.get(name, -_WAKE_EVERY_S) >= _WAKE_EVERY_S:
+                self._woken_at[name] = now
                 self._handles[name].options(method_name="ember_ping").remote()
 
     @contextmanager
-    def _tracking(self, names: list[str]) -> Iterator[None]:
+    def _tracking(self, names: list[str]) -> Iterator[bool]:
+        """Count the request in flight at every stage; yields whether the first was cold."""
         with ExitStack() as stack:
-            for name in dict.fromkeys(names):
-                stack.enter_context(self.tracker.track(name))
-            yield
+            flags = [stack.enter_context(self.tracker.track(n)) for n in dict.fromkeys(names)]
+            yield flags[0]
 
 
 async def _resolve(response: Any) -> Any:

@@ -41,6 +41,7 @@ from ember.platform.state import LoadTracker
 logger = logging.getLogger("ember.ingress")
 
 _STATUS_POLL_S = 0.5
+COLD_START_HEADER = "X-Ember-Cold-Start"
 _DEFAULT_BODY_LIMIT = 1 << 20
 
 
@@ -49,13 +50,15 @@ class IngressState:
 
     def __init__(self, app_name: str, routes: list[RouteSpec],
                  options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
-                 timeouts: dict[str, float], protocols: tuple[Protocol, ...] = ()) -> None:
+                 timeouts: dict[str, float], protocols: tuple[Protocol, ...] = (),
+                 pool: DeploymentHandle[Any] | None = None,
+                 pool_names: frozenset[str] = frozenset()) -> None:
         self.app_name = app_name
         self.routes = routes
         self.protocols = protocols
         self.metrics = Metrics()
         self.tracker = LoadTracker(options, self.metrics)
-        self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts)
+        self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
         self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
         self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
         self._deployment_of = {r.path: r.deployment for r in routes}
@@ -118,14 +121,17 @@ def _body_parameter(route: RouteSpec) -> inspect.Parameter | None:
 def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
     dispatcher, metrics = state.dispatcher, state.metrics
 
-    async def endpoint(request: Request, body: Any = None) -> Any:
+    async def endpoint(request: Request, response: Response, body: Any = None) -> Any:
         if route.is_stream:
             return _sse(dispatcher.stream(route, body, request_id_of(request)),
                         request_id_of(request))
         started = time.monotonic()
         status = "200"
         try:
-            return await dispatcher.call(route, body, request_id_of(request))
+            outcome = await dispatcher.call(route, body, request_id_of(request))
+            if outcome.cold is not None:
+                response.headers[COLD_START_HEADER] = outcome.cold.header()
+            return outcome.value
         except EmberError as err:
             status = str(err.status_code)
             reason = {503: "queue_full", 504: "timeout"}.get(err.status_code)
@@ -136,7 +142,8 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
             metrics.latency.labels(route.deployment, route.path, status).observe(
                 time.monotonic() - started)
 
-    params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request)]
+    params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+              inspect.Parameter("response", inspect.Parameter.KEYWORD_ONLY, annotation=Response)]
     body_param = _body_parameter(route)
     if body_param is not None:
         params.append(body_param)
@@ -208,8 +215,10 @@ class EmberIngress:
 
     def __init__(self, app_name: str, routes: list[RouteSpec],
                  options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
-                 timeouts: dict[str, float], protocols: tuple[Protocol, ...]) -> None:
-        self._state = IngressState(app_name, routes, options, handles, timeouts, protocols)
+                 timeouts: dict[str, float], protocols: tuple[Protocol, ...],
+                 pool: DeploymentHandle[Any] | None, pool_names: list[str]) -> None:
+        self._state = IngressState(app_name, routes, options, handles, timeouts, protocols,
+                                   pool, frozenset(pool_names))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self._state)

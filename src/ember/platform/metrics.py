@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 _COLD_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60)
 
 
@@ -42,14 +43,21 @@ class Metrics:
             registry=r,
         )
         self.cold_starts = Counter(
-            "ember_cold_starts_total", "Requests that waited for a replica", ["deployment"],
-            registry=r,
+            "ember_cold_starts_total", "Requests that met zero running replicas",
+            ["deployment", "path"], registry=r,
         )
         self.cold_start_s = Histogram(
             "ember_cold_start_duration_seconds",
             "Request sent at zero replicas until its response",
-            ["deployment"],
+            ["deployment", "path"],
             buckets=_COLD_BUCKETS_S,
+            registry=r,
+        )
+        self.cold_start_phase_s = Histogram(
+            "ember_cold_start_phase_seconds",
+            "Cold start phases: queue, start, import, weights, warmup",
+            ["deployment", "phase", "path"],
+            buckets=_PHASE_BUCKETS_S,
             registry=r,
         )
 

@@ -15,7 +15,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from ember.platform import coldstart
 from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, BatchFn, make_batcher
+from ember.platform.coldstart import ReplicaTimeline
 from ember.platform.decorator import DeploymentSpec
 
 _DONE = object()
@@ -37,6 +39,8 @@ def _batch_runner(fn: Callable[..., Any]) -> BatchFn:
 
 class ReplicaCore:
     """The per-replica dispatcher, kept apart from Ray so it can be unit-tested."""
+
+    timeline: ReplicaTimeline
 
     def __init__(self, spec: DeploymentSpec, impl: Any) -> None:
         self.spec = spec
@@ -74,20 +78,34 @@ class ReplicaCore:
             yield chunk
 
 
+async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> ReplicaCore:
+    """Construct the user's class, run ``setup()`` then ``warmup()``, timing each."""
+    timeline = ReplicaTimeline(process_started_at=coldstart.process_started_at(),
+                               imported_at=coldstart.IMPORTED_AT, init_started_at=time.time(),
+                               prewarmed=prewarmed)
+    started = time.monotonic()
+    impl = spec.cls()
+    setup = getattr(impl, "setup", None)
+    if setup is not None:
+        await call_user(setup)
+    timeline.setup_s = time.monotonic() - started
+    warmup = getattr(impl, "warmup", None)
+    if warmup is not None:  # first forward pass, before the replica reports ready
+        started = time.monotonic()
+        await call_user(warmup)
+        timeline.warmup_s = time.monotonic() - started
+    timeline.ready_at = time.time()
+    core = ReplicaCore(spec, impl)
+    core.timeline = timeline
+    return core
+
+
 def replica_class(spec: DeploymentSpec) -> type:
     """Return the class Ray Serve deploys for ``spec``."""
-    user_cls = spec.cls
 
     class EmberReplica:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
-            started = time.monotonic()
-            impl = user_cls()
-            setup = getattr(impl, "setup", None)
-            if setup is not None:
-                await call_user(setup)
-            self._core = ReplicaCore(spec, impl)
-            self._setup_s = time.monotonic() - started
-            self._ready_at = time.time()
+            self._core = await instantiate(spec)
 
         async def ember_call(self, attr: str, body: Any) -> Any:
             return await self._core.call(attr, body)
@@ -96,9 +114,9 @@ def replica_class(spec: DeploymentSpec) -> type:
             async for chunk in self._core.stream(attr, body):
                 yield chunk
 
-        async def ember_ping(self) -> dict[str, float]:
-            """Cheap call used to wake a cold stage; answers once the replica is up."""
-            return {"setup_s": self._setup_s, "ready_at": self._ready_at}
+        async def ember_ping(self) -> dict[str, Any]:
+            """Cheap call that wakes a cold deployment and reports how its replica started."""
+            return self._core.timeline.as_dict()
 
         async def check_health(self) -> None:
             check = getattr(self._core.impl, "check_health", None)

@@ -20,6 +20,7 @@ from ray.serve.config import HTTPOptions
 from ember.platform.app import App
 from ember.platform.config import to_ray_options
 from ember.platform.ingress import EmberIngress
+from ember.platform.pool import POOL_DEPLOYMENT, EmberPool
 from ember.platform.replica import replica_class
 
 logger = logging.getLogger("ember")
@@ -50,8 +51,28 @@ def build_application(app: App) -> Any:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0.1},
     )(EmberIngress)
+    pool = _pool_deployment(app)
+    pool_names = [s.name for s in app.pool_specs()]
     return ingress.bind(app.name, list(app.routes()), options, handles, app.timeouts(),
-                        app.protocols)
+                        app.protocols, pool, pool_names)
+
+
+def _pool_deployment(app: App) -> Any:
+    """The bound warm pool of ``app``, or None when it has none."""
+    specs = app.pool_specs()
+    if not specs:
+        return None
+    preload = [s.name for s in specs if s.options.preload]
+    pool = serve.deployment(
+        name=POOL_DEPLOYMENT,
+        num_replicas=app.warm_pool,
+        # Requests reach the pool only while a deployment is cold; it must not queue them.
+        max_ongoing_requests=512,
+        ray_actor_options={"num_cpus": 0.1},
+        # Preloading runs setup() of every preloaded deployment before the pool is ready.
+        health_check_timeout_s=60,
+    )(EmberPool)
+    return pool.bind(specs, preload)
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> None:

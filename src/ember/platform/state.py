@@ -14,19 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.platform.coldstart import ColdStartReport
 from ember.platform.config import DeploymentOptions
 from ember.platform.metrics import Metrics
-
-
-@dataclass
-class ColdStart:
-    """One request that arrived while its deployment had no running replica."""
-
-    at: float
-    total_s: float
-
-    def as_dict(self) -> dict[str, float]:
-        return {"at": self.at, "total_s": round(self.total_s, 4)}
 
 
 @dataclass
@@ -40,7 +30,8 @@ class DeploymentLoad:
     starting: int = 0
     status: str = "UNKNOWN"
     message: str = ""
-    last_cold_start: ColdStart | None = None
+    last_cold_start: ColdStartReport | None = None
+    last_cold_start_at: float | None = None
     cold_starts: int = 0
     replica_states: dict[str, int] = field(default_factory=dict)
 
@@ -63,7 +54,10 @@ class DeploymentLoad:
             "floor": self.options.warm_floor,
             "max_replicas": self.options.max_replicas,
             "cold_starts": self.cold_starts,
-            "last_cold_start": self.last_cold_start.as_dict() if self.last_cold_start else None,
+            "last_cold_start": (
+                {"at": self.last_cold_start_at, **self.last_cold_start.as_dict()}
+                if self.last_cold_start else None),
+            "cold_start_budget_s": self.options.cold_start_budget_s,
             "message": self.message,
         }
 
@@ -74,13 +68,13 @@ class LoadTracker:
     def __init__(self, options: dict[str, DeploymentOptions], metrics: Metrics) -> None:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
+        self.pool_running = 0
 
     @contextmanager
     def track(self, deployment: str) -> Iterator[bool]:
         """Count one request in flight; yields whether it arrived to a cold deployment."""
         load = self.loads[deployment]
         cold = load.running == 0
-        started = time.monotonic()
         load.inflight += 1
         self._publish(load)
         try:
@@ -88,16 +82,13 @@ class LoadTracker:
         finally:
             load.inflight -= 1
             self._publish(load)
-            if cold:
-                self._record_cold(load, time.monotonic() - started)
-                # A replica just answered: do not count the next request as cold while
-                # the background poll has yet to see it.
-                load.running = max(load.running, 1)
 
     def update_replicas(self, deployment: str, overview: Any) -> None:
         """Take one ``DeploymentStatusOverview`` from Ray Serve's status."""
         load = self.loads.get(deployment)
         if load is None:
+            if deployment == "ember-pool":
+                self.pool_running = int(overview.replica_states.get("RUNNING", 0))
             return
         states = {str(getattr(k, "value", k)): int(v) for k, v in overview.replica_states.items()}
         load.replica_states = states
@@ -118,8 +109,16 @@ class LoadTracker:
         self.metrics.ongoing.labels(load.name).set(load.ongoing)
         self.metrics.queued.labels(load.name).set(load.queued)
 
-    def _record_cold(self, load: DeploymentLoad, total_s: float) -> None:
+    def record_cold(self, deployment: str, report: ColdStartReport) -> None:
+        """Count one cold request and export its phases."""
+        load = self.loads[deployment]
         load.cold_starts += 1
-        load.last_cold_start = ColdStart(at=time.time(), total_s=total_s)
-        self.metrics.cold_starts.labels(load.name).inc()
-        self.metrics.cold_start_s.labels(load.name).observe(total_s)
+        load.last_cold_start, load.last_cold_start_at = report, time.time()
+        if report.path == "replica":
+            # A replica just answered: do not count the next request as cold while the
+            # background poll has yet to see it.
+            load.running = max(load.running, 1)
+        self.metrics.cold_starts.labels(load.name, report.path).inc()
+        self.metrics.cold_start_s.labels(load.name, report.path).observe(report.total_s)
+        for phase, seconds in report.phases.items():
+            self.metrics.cold_start_phase_s.labels(load.name, phase, report.path).observe(seconds)

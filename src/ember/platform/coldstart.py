@@ -1,0 +1,110 @@
+"""Cold starts, measured: phases of one replica's start and of one cold request.
+
+A cold request is one that arrived while its deployment had no running replica. Its time
+is broken into phases, each exported as a Prometheus histogram and sent back to the caller
+in the ``X-Ember-Cold-Start`` header (milliseconds)::
+
+    X-Ember-Cold-Start: total=412;path=pool;queue=0;start=0;import=0;weights=118;warmup=21
+
+* ``queue``: request arrival until the replica's process existed (the autoscaler's
+  detection and Ray's scheduling);
+* ``start``: process creation until Ember's code was imported (Ray worker start);
+* ``import``: until the replica's constructor ran (unpickling the class imports torch
+  and the deployment's module);
+* ``weights``: the deployment's ``setup()``, which loads the weights;
+* ``warmup``: its ``warmup()``, run before the replica reports ready;
+* ``path``: ``replica`` (the deployment's own replica started) or ``pool`` (a pre-warmed
+  pool replica served it while the deployment's own replica started).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+#: When this module was first imported in this process: the end of the "start" phase.
+IMPORTED_AT = time.time()
+
+PHASES = ("queue", "start", "import", "weights", "warmup")
+
+
+def process_started_at() -> float:
+    """Wall-clock creation time of this process (Linux ``/proc``; else now)."""
+    try:
+        import psutil
+
+        return float(psutil.Process(os.getpid()).create_time())
+    except Exception:  # psutil missing or /proc unreadable: no start phase rather than none
+        return IMPORTED_AT
+
+
+@dataclass
+class ReplicaTimeline:
+    """Wall-clock marks of one replica's start, recorded inside the replica."""
+
+    process_started_at: float
+    imported_at: float
+    init_started_at: float
+    setup_s: float = 0.0
+    warmup_s: float = 0.0
+    ready_at: float = 0.0
+    prewarmed: bool = False  # True in a pool process: nothing was started for the request
+
+    def as_dict(self) -> dict[str, float | bool]:
+        return asdict(self)
+
+
+@dataclass
+class ColdStartReport:
+    """Phases of one cold request, in seconds."""
+
+    total_s: float
+    path: str
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def header(self) -> str:
+        """The ``X-Ember-Cold-Start`` value, in milliseconds."""
+        parts = [f"total={self.total_s * 1000:.0f}", f"path={self.path}"]
+        parts += [f"{name}={self.phases.get(name, 0.0) * 1000:.0f}" for name in PHASES]
+        return ";".join(parts)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"total_s": round(self.total_s, 4), "path": self.path,
+                "phases": {k: round(v, 4) for k, v in self.phases.items()}}
+
+
+def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | None,
+           path: str) -> ColdStartReport:
+    """Phases of a cold request from its arrival, its answer and the serving replica's marks.
+
+    Args:
+        arrived_at: wall-clock time the ingress received the request.
+        answered_at: wall-clock time its answer came back.
+        timeline: marks of the replica that served it, if known.
+        path: ``replica`` or ``pool``.
+
+    Example:
+        >>> t = ReplicaTimeline(process_started_at=10.5, imported_at=11.0,
+        ...                     init_started_at=12.0, setup_s=0.5, warmup_s=0.1)
+        >>> report(10.0, 13.0, t, "replica").phases["import"]
+        1.0
+    """
+    total = max(0.0, answered_at - arrived_at)
+    if timeline is None:
+        return ColdStartReport(total, path)
+    if timeline.prewarmed or timeline.init_started_at < arrived_at:
+        # The process existed before the request: only the setup it ran for it counts.
+        ran_setup = timeline.init_started_at >= arrived_at
+        weights = timeline.setup_s if ran_setup else 0.0
+        warmup = timeline.warmup_s if ran_setup else 0.0
+        return ColdStartReport(total, path, {"queue": 0.0, "start": 0.0, "import": 0.0,
+                                             "weights": weights, "warmup": warmup})
+    phases = {
+        "queue": max(0.0, timeline.process_started_at - arrived_at),
+        "start": max(0.0, timeline.imported_at - max(timeline.process_started_at, arrived_at)),
+        "import": max(0.0, timeline.init_started_at - timeline.imported_at),
+        "weights": timeline.setup_s,
+        "warmup": timeline.warmup_s,
+    }
+    return ColdStartReport(total, path, phases)

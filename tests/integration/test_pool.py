@@ -1,0 +1,68 @@
+"""The warm pool answers at zero replicas while the deployment's own replica starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import ember
+
+import pool_apps
+from support import deployment_status, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def url(serve_port: int) -> Iterator[str]:
+    from ray import serve
+
+    base = ember.serve(pool_apps.app, port=serve_port)
+    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
+    yield base
+    serve.delete(pool_apps.app.name)
+
+
+def _phases(header: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in header.split(";"))
+
+
+def test_cold_request_is_served_by_the_pool_then_by_the_own_replica(url: str) -> None:
+    wait_for(lambda: deployment_status(url, "SlowStart")["replicas_running"] == 0, 30,
+             what="SlowStart at zero")
+    first = httpx.post(f"{url}/slow-start", json={"question": "abc"}, timeout=60)
+    assert first.status_code == 200 and first.json()["answer"] == "cba"
+    phases = _phases(first.headers["x-ember-cold-start"])
+    assert phases["path"] == "pool"
+    assert int(phases["weights"]) >= 250  # the pool ran setup() for this request
+    assert int(phases["start"]) == 0 and int(phases["import"]) == 0
+    # The request also woke the deployment: its own replica comes up and takes over.
+    wait_for(lambda: deployment_status(url, "SlowStart")["replicas_running"] == 1, 60,
+             what="the deployment's own replica")
+    later = wait_for(lambda: _served_by_other(url, first.json()["pid"]), 30,
+                     what="traffic to move to the deployment's replica")
+    assert "x-ember-cold-start" not in later.headers
+    status = deployment_status(url, "SlowStart")
+    assert status["last_cold_start"]["path"] == "pool"
+
+
+def _served_by_other(url: str, pool_pid: int) -> httpx.Response | None:
+    reply = httpx.post(f"{url}/slow-start", json={"question": "x"}, timeout=30)
+    return reply if reply.json()["pid"] != pool_pid else None
+
+
+def test_preloaded_deployment_runs_no_setup_on_its_first_request(url: str) -> None:
+    wait_for(lambda: deployment_status(url, "Preloaded")["replicas_running"] == 0, 30,
+             what="Preloaded at zero")
+    reply = httpx.post(f"{url}/preloaded", json={"question": "hi"}, timeout=60)
+    assert reply.json()["answer"] == "HI"
+    phases = _phases(reply.headers["x-ember-cold-start"])
+    assert phases["path"] == "pool" and phases["weights"] == "0"
+
+
+def test_cold_start_phases_are_exported(url: str) -> None:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    family = "ember_cold_start_phase_seconds_count"
+    assert f'{family}{{deployment="SlowStart",path="pool",phase="weights"}}' in text
