@@ -77,6 +77,11 @@ class DeploymentOptions(BaseModel):
     warm_pool: bool = Field(
         default=True, description="Let the app's warm pool serve requests at zero replicas."
     )
+    warm_schedule: list[str] = Field(
+        default_factory=list,
+        description="Windows with a floor of max(1, warm_floor), e.g. ['Mon-Fri 08:00-20:00'].",
+    )
+    warm_schedule_tz: str = Field(default="UTC", description="Time zone of warm_schedule.")
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
 
@@ -94,6 +99,25 @@ class DeploymentOptions(BaseModel):
     @classmethod
     def _check_route(cls, value: str | None) -> str | None:
         return check_route(value) if value is not None else None
+
+    @field_validator("warm_schedule")
+    @classmethod
+    def _check_schedule(cls, value: list[str]) -> list[str]:
+        from ember.platform.floors import parse_schedule
+
+        parse_schedule(value)
+        return value
+
+    @field_validator("warm_schedule_tz")
+    @classmethod
+    def _check_tz(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r}, e.g. 'Europe/Paris'") from None
+        return value
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> DeploymentOptions:
@@ -163,6 +187,9 @@ def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
     policy_kwargs = {
         "scaledown_after_s": options.scaledown_after_s,
         "target_queue_depth": options.target_queue_depth,
+        "warm_schedule": list(options.warm_schedule),
+        "warm_schedule_tz": options.warm_schedule_tz,
+        "scheduled_floor": max(1, options.warm_floor),
     }
     return {
         "name": name,

@@ -17,14 +17,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Request, Response
+from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ember.errors import EmberError
+from ember.errors import EmberError, InvalidBody, NotFound
+from ember.platform import floors
 from ember.platform._http import (
     GuardMiddleware,
     error_body,
@@ -207,6 +208,35 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
         "/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/-/status": status}
     for path, fn in routes.items():
         app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)
+    _add_lease_routes(app, state)
+
+
+def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
+    """``POST /-/warm/{deployment}?for=600&floor=1`` holds a floor for a while; DELETE ends it."""
+
+    def check(deployment: str) -> None:
+        if deployment not in state.tracker.loads:  # also refuses '..', '/', NUL: not names
+            raise NotFound(method="warm", path=f"/-/warm/{deployment}")
+
+    async def warm(deployment: str, duration: Annotated[str, Query(alias="for")] = "600",
+                   floor: Annotated[int, Query(ge=1, le=64)] = 1) -> Response:
+        check(deployment)
+        try:
+            seconds = floors.parse_duration(duration)
+        except ValueError as exc:
+            raise InvalidBody(str(exc)) from None
+        until = time.time() + seconds
+        await asyncio.to_thread(floors.LeaseStore(state.app_name).put, deployment, floor, until)
+        return JSONResponse({"deployment": deployment, "floor": floor, "until_s": until})
+
+    async def unwarm(deployment: str) -> Response:
+        check(deployment)
+        await asyncio.to_thread(floors.LeaseStore(state.app_name).delete, deployment)
+        return JSONResponse({"deployment": deployment, "floor": 0})
+
+    app.add_api_route("/-/warm/{deployment}", warm, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/-/warm/{deployment}", unwarm, methods=["DELETE"],
+                      include_in_schema=False)
 
 
 @serve.ingress()
