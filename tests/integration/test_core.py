@@ -170,3 +170,47 @@ def test_metrics_exported(url: str) -> None:
 
 def test_healthz(url: str) -> None:
     assert httpx.get(f"{url}/healthz", timeout=30).json() == {"status": "ok"}
+
+
+def test_lease_holds_a_floor_without_traffic_then_ends(url: str) -> None:
+    wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 0, 40,
+             what="Cold at zero")
+    reply = httpx.post(f"{url}/-/warm/Cold", params={"for": "60"}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["floor"] == 1
+    wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 1, 60,
+             what="the lease to start a replica")
+    time.sleep(4)  # twice Cold's scaledown_after_s: the lease holds it up
+    assert deployment_status(url, "Cold")["replicas_running"] == 1
+    assert httpx.delete(f"{url}/-/warm/Cold", timeout=30).status_code == 200
+    wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 0, 40,
+             what="Cold back at zero once the lease ended")
+
+
+def test_lease_on_unknown_or_unsafe_name_touches_nothing(url: str) -> None:
+    for name in ("Nope", "..%2F..%2Fetc", "Cold%00"):
+        assert httpx.post(f"{url}/-/warm/{name}", timeout=30).status_code == 404
+    bad = httpx.post(f"{url}/-/warm/Cold", params={"for": "forever"}, timeout=30)
+    assert bad.status_code == 422 and "10m" in bad.json()["error"]["message"]
+
+
+HOSTILE = [b'{"fail": NaN}', b'{"fail": 1e999}', b'{"fail": true, "fail": false}',
+           b"[" * 100_000 + b"]" * 100_000]
+
+
+@pytest.mark.parametrize("body", HOSTILE, ids=["nan", "1e999", "duplicate-keys", "deep"])
+def test_hostile_json_is_refused_fast_and_the_server_keeps_serving(url: str, body: bytes) -> None:
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/fault", content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["status"] == 400
+    assert time.monotonic() - started < 5
+    assert httpx.post(f"{url}/fault", json={"fail": False}, timeout=30).status_code == 200
+
+
+def test_compressed_body_is_refused_unread(url: str) -> None:
+    import gzip
+
+    reply = httpx.post(f"{url}/echo", content=gzip.compress(b'{"text": "x"}' * 10), timeout=30,
+                       headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert reply.status_code == 415

@@ -27,6 +27,20 @@ from ember.loaders._errors import (
     UnsafePath,
     WeightsNotFound,
 )
+from ember.loaders._snapshot import (
+    SnapshotError,
+    SnapshotInvalid,
+    SnapshotLoad,
+    snapshot_key,
+    snapshot_load,
+)
+from ember.loaders._snapshot_cli import (
+    SnapshotInfo,
+    drop_all,
+    drop_snapshot,
+    list_snapshots,
+    preload_snapshot,
+)
 
 __all__ = [
     "CacheFull",
@@ -37,11 +51,21 @@ __all__ = [
     "ObjectChanged",
     "RangeNotSupported",
     "ShortRead",
+    "SnapshotError",
+    "SnapshotInfo",
+    "SnapshotInvalid",
+    "SnapshotLoad",
     "SourceError",
     "UnsafeFormat",
     "UnsafePath",
     "WeightsNotFound",
+    "drop_all",
+    "drop_snapshot",
+    "list_snapshots",
     "load",
+    "preload_snapshot",
     "resolve",
+    "snapshot_key",
+    "snapshot_load",
     "stream",
 ]

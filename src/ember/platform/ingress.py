@@ -13,12 +13,13 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray import serve
@@ -26,12 +27,15 @@ from ray.serve.handle import DeploymentHandle
 
 from ember.errors import EmberError, InvalidBody, NotFound
 from ember.platform import floors
+from ember.platform._auth import ApiKeys, AuthMiddleware
 from ember.platform._http import (
     GuardMiddleware,
     error_body,
     install_error_handlers,
     request_id_of,
 )
+from ember.platform._json import ContentEncodingMiddleware, HeaderLimitMiddleware, parse_json
+from ember.platform._ratelimit import RateLimiter, RateLimitMiddleware
 from ember.platform.config import DeploymentOptions
 from ember.platform.decorator import RouteSpec
 from ember.platform.dispatch import Dispatcher
@@ -53,8 +57,13 @@ class IngressState:
                  options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
                  timeouts: dict[str, float], protocols: tuple[Protocol, ...] = (),
                  pool: DeploymentHandle[Any] | None = None,
-                 pool_names: frozenset[str] = frozenset()) -> None:
+                 pool_names: frozenset[str] = frozenset(),
+                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None) -> None:
         self.app_name = app_name
+        # Read in the process that deploys (where the operator set them); only key digests
+        # travel to the ingress.
+        self.keys = keys if keys is not None else ApiKeys([])
+        self.limiter = limiter
         self.routes = routes
         self.protocols = protocols
         self.metrics = Metrics()
@@ -179,6 +188,7 @@ def build_fastapi(state: IngressState) -> FastAPI:
             poller.cancel()
 
     app = FastAPI(title=f"Ember: {state.app_name}", lifespan=lifespan)
+    app.router.route_class = _strict_json_route(state)
     install_error_handlers(app, state.on_reject)
     for route in state.routes:
         app.add_api_route(route.path, _endpoint(route, state), methods=[route.http_method],
@@ -186,8 +196,41 @@ def build_fastapi(state: IngressState) -> FastAPI:
     for protocol in state.protocols:
         protocol.install(app, state)
     _add_platform_routes(app, state)
+    # Starlette runs the last middleware added first: header limit, then auth (so no
+    # unauthenticated body is ever read), per-key rate limit, encoding, body size.
     app.add_middleware(GuardMiddleware, limit_for=state.limit_for, on_reject=state.on_reject)
+    app.add_middleware(ContentEncodingMiddleware, on_reject=state.on_reject)
+    app.add_middleware(RateLimitMiddleware, limiter=state.limiter, on_reject=state.on_reject)
+    app.add_middleware(AuthMiddleware, keys=state.keys, on_reject=state.on_reject)
+    app.add_middleware(HeaderLimitMiddleware, on_reject=state.on_reject)
     return app
+
+
+def _strict_json_route(state: IngressState) -> type[APIRoute]:
+    """Routes whose JSON bodies go through Ember's strict parser before FastAPI's validation.
+
+    The strict parser refuses what ``json.loads`` would accept but no client should send
+    (NaN, 1e999, duplicate keys, 100,000-deep nesting) with a 400 that says why.
+    """
+
+    class StrictJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def strict(request: Request) -> Response:
+                body = await request.body()
+                if body:
+                    try:
+                        # FastAPI's request.json() reuses Starlette's cache of the parsed body.
+                        request._json = parse_json(body)
+                    except EmberError:
+                        state.on_reject(request.url.path, "malformed_json")
+                        raise
+                return await handler(request)
+
+            return strict
+
+    return StrictJSONRoute
 
 
 def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
@@ -246,9 +289,10 @@ class EmberIngress:
     def __init__(self, app_name: str, routes: list[RouteSpec],
                  options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
                  timeouts: dict[str, float], protocols: tuple[Protocol, ...],
-                 pool: DeploymentHandle[Any] | None, pool_names: list[str]) -> None:
+                 pool: DeploymentHandle[Any] | None, pool_names: list[str],
+                 keys: ApiKeys, limiter: RateLimiter | None) -> None:
         self._state = IngressState(app_name, routes, options, handles, timeouts, protocols,
-                                   pool, frozenset(pool_names))
+                                   pool, frozenset(pool_names), keys, limiter)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self._state)

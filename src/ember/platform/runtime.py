@@ -17,6 +17,8 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
 
+from ember.platform._auth import ApiKeys
+from ember.platform._ratelimit import RateLimiter
 from ember.platform.app import App
 from ember.platform.config import to_ray_options
 from ember.platform.ingress import EmberIngress
@@ -54,7 +56,8 @@ def build_application(app: App) -> Any:
     pool = _pool_deployment(app)
     pool_names = [s.name for s in app.pool_specs()]
     return ingress.bind(app.name, list(app.routes()), options, handles, app.timeouts(),
-                        app.protocols, pool, pool_names)
+                        app.protocols, pool, pool_names, ApiKeys.from_env(),
+                        RateLimiter.from_env())
 
 
 def _pool_deployment(app: App) -> Any:

@@ -1,0 +1,88 @@
+"""Warm floors by schedule and lease: pure functions, fake clocks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from ember.platform import floors
+from ember.platform._ray_policy import EmberAutoscalingPolicy
+from ember.platform.cli import plan_rows
+
+UTC = UTC
+
+
+def _at(day: int, hour: int, minute: int = 0) -> datetime:
+    return datetime(2026, 11, day, hour, minute, tzinfo=UTC)  # 2026-11-23 is a Monday
+
+
+@pytest.mark.parametrize(("moment", "expected"), [
+    (_at(23, 8), 1), (_at(23, 19, 59), 1), (_at(23, 20), 0), (_at(23, 7, 59), 0),
+    (_at(27, 12), 1), (_at(28, 12), 0), (_at(22, 12), 0)])
+def test_weekday_window(moment: datetime, expected: int) -> None:
+    windows = floors.parse_schedule(["Mon-Fri 08:00-20:00"])
+    assert floors.scheduled_floor(moment, windows, 1) == expected
+
+
+def test_overnight_window_belongs_to_the_day_it_starts() -> None:
+    windows = floors.parse_schedule(["Fri 22:00-06:00"])
+    assert floors.scheduled_floor(_at(27, 23), windows, 2) == 2   # Friday night
+    assert floors.scheduled_floor(_at(28, 5), windows, 2) == 2    # Saturday early morning
+    assert floors.scheduled_floor(_at(28, 7), windows, 2) == 0
+    assert floors.scheduled_floor(_at(23, 5), windows, 2) == 0    # Monday early: not after Fri
+
+
+def test_day_lists_and_wraparound_ranges() -> None:
+    windows = floors.parse_schedule(["Sat-Mon 10:00-11:00", "Wed 10:00-11:00"])
+    days = {moment.weekday() for moment in (_at(d, 10, 30) for d in range(22, 29))
+            if floors.scheduled_floor(moment, windows, 1)}
+    assert days == {5, 6, 0, 2}
+
+
+@pytest.mark.parametrize("bad", ["Mon-Fri", "Funday 08:00-09:00", "Mon 25:00-26:00", "8-20"])
+def test_bad_windows_are_refused_with_an_example(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"Mon-Fri 08:00-20:00|unknown day|bad time"):
+        floors.parse_schedule([bad])
+
+
+def test_lease_holds_until_it_expires() -> None:
+    lease = {"floor": 2, "until_s": 100.0}
+    assert floors.leased_floor(99.9, lease) == 2
+    assert floors.leased_floor(100.0, lease) == 0
+    assert floors.leased_floor(0.0, None) == 0
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("600", 600), ("90s", 90), ("10m", 600),
+                                               ("2h", 7200), ("1d", 86400), ("1.5m", 90)])
+def test_durations(text: str, seconds: float) -> None:
+    assert floors.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "ten minutes", "8d", ""])
+def test_bad_durations(bad: str) -> None:
+    with pytest.raises(ValueError):
+        floors.parse_duration(bad)
+
+
+def test_policy_floor_takes_the_highest_of_constant_lease_and_schedule() -> None:
+    policy = EmberAutoscalingPolicy(scaledown_after_s=1, target_queue_depth=1,
+                                    warm_schedule=["Mon-Sun 00:00-23:59"], scheduled_floor=3)
+    ctx = SimpleNamespace(app_name=None, deployment_name="d", capacity_adjusted_min_replicas=1)
+    assert policy.floor(ctx, 0.0) == 3
+    ctx.capacity_adjusted_min_replicas = 5
+    assert policy.floor(ctx, 0.0) == 5
+
+
+def test_plan_flags_a_missed_budget_and_the_floor_that_fixes_it() -> None:
+    status = {"deployments": [
+        {"deployment": "a", "floor": 0, "cold_start_budget_s": 0.5,
+         "last_cold_start": {"total_s": 4.2, "path": "replica"}},
+        {"deployment": "b", "floor": 0, "cold_start_budget_s": 0.5,
+         "last_cold_start": {"total_s": 0.2, "path": "pool"}},
+        {"deployment": "c", "floor": 0, "cold_start_budget_s": None, "last_cold_start": None}]}
+    rows = {r[0]: r for r in plan_rows(status)[1:]}
+    assert rows["a"][3:] == ("misses", "warm_floor=1")
+    assert rows["b"][3] == "meets"
+    assert rows["c"][3] == "no budget"
