@@ -35,3 +35,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Locust scenarios (coldstart, steady, overload) against a local `ember run`, each failing
+# when it misses its budgets; report in loadtests/reports/index.html. CI runs the short
+# version: make loadtest LOADTEST_ARGS=--short
+loadtest: $(STAMP)
+	$(BIN)/python loadtests/run.py $(LOADTEST_ARGS)

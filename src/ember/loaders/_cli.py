@@ -79,7 +79,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs; ships with huggingface-hub
+    from tqdm import tqdm  # no stubs; ships with huggingface-hub
 
     from ember.loaders._api import resolve
 
