@@ -38,6 +38,8 @@ from ember.deployments._minilm import (
 from ember.protocols import OpenAIEmbeddings
 
 MODEL_NAME = "all-MiniLM-L6-v2"
+#: Part of the snapshot key: a new encoder implementation never restores an old snapshot.
+CODE_VERSION = f"minilm-encoder-1/ember-{ember.__version__}"
 DIMENSIONS = 384
 
 
@@ -54,8 +56,13 @@ def weights_url() -> str:
 
 
 def load_encoder(device: torch.device) -> MiniLMEncoder:
-    """Build the encoder from the cached, memory-mapped weights."""
-    state = loaders.load(weights_url())
+    """Build the encoder from the node's snapshot of the weights (mapped, verified).
+
+    The first replica on a node streams the weights into the node cache and leaves a
+    snapshot record; later replicas map the same page-cache pages without contacting the
+    origin, so they also start while the origin is down.
+    """
+    state = loaders.snapshot_load(weights_url(), code_version=CODE_VERSION).tensors
     config = MiniLMConfig.from_file(find_model_files().config)
     return build_model(state, config, device=None if device.type == "cpu" else device)
 
