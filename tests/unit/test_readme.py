@@ -23,4 +23,5 @@ def test_api_example_runs() -> None:
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     app = namespace["app"]
     assert isinstance(app, ember.App)
-    assert [r.path for r in app.routes()] == ["/embed", "/embed/info"]
+    assert [r.path for r in app.routes()] == ["/embed", "/embed/info", "/lengths"]
+    assert [r.kind for r in app.routes()] == ["model", "none", "batch"]
