@@ -161,6 +161,21 @@ class DeploymentOptions(BaseModel):
         return self.model_copy(update={"scaledown_after_s": max(0.0, seconds)})
 
 
+def check_name(value: str, what: str) -> str:
+    """Refuse a name from a request that could reach the filesystem, a cache or a log.
+
+    Raises:
+        BadRequest: for traversal attempts (``../``, ``%2e%2e%2f`` once decoded, absolute
+            paths, NUL, backslashes) and anything else that is not a plain name.
+    """
+    if not NAME_PATTERN.match(value):
+        from ember.errors import BadRequest
+
+        raise BadRequest(f"{what} name {value[:80]!r} is not a valid name "
+                         "(letters, digits, '_' and '-', starting with a letter)")
+    return value
+
+
 def check_route(value: str) -> str:
     """Validate an HTTP route, returning it unchanged.
 

@@ -36,7 +36,7 @@ from ember.platform._http import (
 )
 from ember.platform._json import ContentEncodingMiddleware, HeaderLimitMiddleware, parse_json
 from ember.platform._ratelimit import RateLimiter, RateLimitMiddleware
-from ember.platform.config import DeploymentOptions
+from ember.platform.config import DeploymentOptions, check_name
 from ember.platform.decorator import RouteSpec
 from ember.platform.dispatch import Dispatcher
 from ember.platform.metrics import Metrics
@@ -187,7 +187,8 @@ def build_fastapi(state: IngressState) -> FastAPI:
         finally:
             poller.cancel()
 
-    app = FastAPI(title=f"Ember: {state.app_name}", lifespan=lifespan)
+    # No redirects: a path that does not match is a 404, never a 307 to some other path.
+    app = FastAPI(title=f"Ember: {state.app_name}", lifespan=lifespan, redirect_slashes=False)
     app.router.route_class = _strict_json_route(state)
     install_error_handlers(app, state.on_reject)
     for route in state.routes:
@@ -258,7 +259,8 @@ def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
     """``POST /-/warm/{deployment}?for=600&floor=1`` holds a floor for a while; DELETE ends it."""
 
     def check(deployment: str) -> None:
-        if deployment not in state.tracker.loads:  # also refuses '..', '/', NUL: not names
+        check_name(deployment, "deployment")
+        if deployment not in state.tracker.loads:
             raise NotFound(method="warm", path=f"/-/warm/{deployment}")
 
     async def warm(deployment: str, duration: Annotated[str, Query(alias="for")] = "600",

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.errors import ConfigError, EmberError
 from ember.platform._http import request_id_of
+from ember.platform.config import NAME_PATTERN
 from ember.platform.protocols import Gateway, Protocol
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class _Routes:
         return {"name": "ember", "version": "0.1.0", "extensions": []}
 
     async def metadata(self, name: str) -> Any:
+        if not NAME_PATTERN.match(name):
+            return _error(400, "model name must be letters, digits, '_' or '-'")
         model = self.models.get(name)
         if model is None:
             return _error(404, f"unknown model '{name}'")
@@ -126,11 +129,15 @@ class _Routes:
 
     async def model_ready(self, name: str) -> Any:
         # A model at zero replicas is still ready: the next request starts it.
+        if not NAME_PATTERN.match(name):
+            return _error(400, "model name must be letters, digits, '_' or '-'")
         if name not in self.models:
             return _error(404, f"unknown model '{name}'")
         return {"name": name, "ready": True}
 
     async def infer(self, name: str, request: Request, body: InferRequest) -> Any:
+        if not NAME_PATTERN.match(name):
+            return _error(400, "model name must be letters, digits, '_' or '-'")
         model = self.models.get(name)
         if model is None:
             return _error(404, f"unknown model '{name}'")
