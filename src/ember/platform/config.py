@@ -82,6 +82,14 @@ class DeploymentOptions(BaseModel):
         description="Windows with a floor of max(1, warm_floor), e.g. ['Mon-Fri 08:00-20:00'].",
     )
     warm_schedule_tz: str = Field(default="UTC", description="Time zone of warm_schedule.")
+    retry_on_replica_loss: bool = Field(
+        default=True,
+        description="Retry a request once on another replica if its replica died mid-call "
+        "(inference is idempotent; turn off for handlers with side effects).",
+    )
+    max_start_attempts: PositiveInt = Field(
+        default=3, description="Failed replica starts in a row before callers get 503."
+    )
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
 
@@ -214,6 +222,7 @@ def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
+        "max_constructor_retry_count": options.max_start_attempts,
         "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
         "autoscaling_config": {
             "min_replicas": options.warm_floor,

@@ -17,7 +17,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ray.exceptions import ActorDiedError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -39,6 +39,10 @@ logger = logging.getLogger("ember.ingress")
 #: A cold deployment is pinged at most this often while it has no running replica.
 _WAKE_EVERY_S = 5.0
 _TIMELINE_TIMEOUT_S = 2.0
+#: How often a waiting request checks whether its deployment failed to start.
+_FAILED_START_POLL_S = 0.5
+#: Ray Serve deployment states in which no replica will come without a redeploy.
+_FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
 
 
 @dataclass
@@ -87,14 +91,28 @@ class Dispatcher:
             if not route.chain and self._pool_can_serve(route.deployment):
                 return await self._via_pool(route, body, request_id, arrived)
             self._wake_cold(chain[1:])
+            result = await self._send_chain(route, chain, body, request_id)
+        report = await self._replica_report(route.deployment, arrived) if cold else None
+        return Outcome(result, report)
+
+    async def _send_chain(self, route: RouteSpec, chain: tuple[tuple[str, str], ...],
+                          body: Any, request_id: str) -> Any:
+        """Send through every stage; retry once if a replica died under a plain request."""
+        retry = not route.chain and self._options[route.deployment].retry_on_replica_loss
+        while True:
             responses: list[Any] = []
             value: Any = body
             for name, attr in chain:
                 value = self._calls[name].remote(attr, value)
                 responses.append(value)
-            result = await self._await(responses, route, request_id)
-        report = await self._replica_report(route.deployment, arrived) if cold else None
-        return Outcome(result, report)
+            try:
+                return await self._await(responses, route, request_id)
+            except DeploymentUnavailable as err:
+                if not (retry and err.fields.get("lost_replica")):
+                    raise
+                retry = False
+                logger.warning("request %s: replica of %s lost; retrying once", request_id,
+                               route.deployment)
 
     def _pool_can_serve(self, name: str) -> bool:
         return (self._pool is not None and name in self._pool_names
@@ -148,14 +166,35 @@ class Dispatcher:
 
     async def _await(self, responses: list[Any], route: RouteSpec, request_id: str) -> Any:
         timeout_s = self.timeout_for(route)
+        names = [name for name, _ in route.chain] or [route.deployment]
         try:
-            return await asyncio.wait_for(_resolve(responses[-1]), timeout_s)
+            return await asyncio.wait_for(self._watch(responses[-1], names), timeout_s)
         except TimeoutError:
             for response in responses:  # every stage: nothing keeps computing for no one
                 response.cancel()
             raise RequestTimeout(deployment=route.deployment, timeout_s=timeout_s) from None
+        except DeploymentUnavailable:
+            for response in responses:
+                response.cancel()
+            raise
         except Exception as exc:
             raise self._map_error(exc, route.deployment, request_id) from None
+
+    async def _watch(self, response: Any, names: list[str]) -> Any:
+        """Await ``response``; give up with 503 if a deployment it waits for cannot start."""
+        task = asyncio.ensure_future(_resolve(response))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_FAILED_START_POLL_S)
+                if done:
+                    return task.result()
+                for name in names:
+                    load = self.tracker.loads[name]
+                    if load.running == 0 and load.status in _FAILED_STATUSES:
+                        raise DeploymentUnavailable(load.message or load.status,
+                                                    deployment=name)
+        finally:
+            task.cancel()
 
     def _map_error(self, exc: BaseException, name: str, request_id: str) -> BaseException:
         if isinstance(exc, EmberError):
@@ -165,8 +204,9 @@ class Dispatcher:
             return QueueFull(deployment=name, queued=self.tracker.loads[name].queued, limit=limit)
         if isinstance(exc, RayTaskError):
             return _user_error(name, exc, request_id)
-        if isinstance(exc, ActorDiedError):
-            return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name)
+        if isinstance(exc, RayActorError):  # the replica process died under this request
+            return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name,
+                                         lost_replica=True)
         return exc
 
     def _wake_cold(self, stages: tuple[tuple[str, str], ...]) -> None:

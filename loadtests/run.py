@@ -1,0 +1,294 @@
+"""Run the load-test scenarios against a local Ember and write a report (``make loadtest``).
+
+    python loadtests/run.py [--short] [--app module:app] [--overload-app file.py:app] [--out DIR]
+
+Starts ``ember run`` on a free 127.0.0.1 port with ``EMBER_SCALEDOWN_AFTER_S`` short (so
+the coldstart scenario does not wait minutes for zero replicas), runs ``coldstart`` and
+``steady`` against ``--app``, then ``overload`` against ``--overload-app`` (a second server,
+unless both are the same app), each as a headless locust subprocess. Meanwhile a thread
+records ``/-/status`` every 0.5 s. Then it writes ``DIR/index.html`` (budgets, latency and
+replicas over time) next to locust's CSV and HTML reports, and exits 1 if any scenario
+missed a budget. ``--short`` is the CI version: few users, about 15 s of load per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import report
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FLAGSHIP = "ember.deployments.embeddings:app"
+OVERLOAD_APP = "loadtests/apps.py:app"
+SAMPLE_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    overload: bool  # served by --overload-app rather than --app
+    args: tuple[str, ...]
+    timeout_s: float  # a hard stop for the locust process, beyond its own bounds
+
+
+def scenarios(short: bool) -> list[Scenario]:
+    """The three scenarios; ``short`` keeps CI to a few users and seconds each."""
+    if short:
+        return [
+            Scenario("coldstart", False, ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
+                                          "--zero-wait-s", "60"), 240),
+            Scenario("steady", False, ("-u", "4", "-r", "2", "--run-time", "15s"), 240),
+            Scenario("overload", True, ("-u", "12", "-r", "12", "--run-time", "15s"), 240),
+        ]
+    return [
+        Scenario("coldstart", False, ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
+                 600),
+        Scenario("steady", False, ("-u", "8", "-r", "1", "--run-time", "60s"), 400),
+        Scenario("overload", True, ("-u", "24", "-r", "24", "--run-time", "30s"), 400),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class Server:
+    """``ember run TARGET`` as a child process (in its own session), stopped by its PID."""
+
+    def __init__(self, target: str, log_path: Path, scaledown_s: float) -> None:
+        self.target, self.log_path, self.scaledown_s = target, log_path, scaledown_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float) -> str:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "EMBER_SCALEDOWN_AFTER_S": str(self.scaledown_s),
+               "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "ember.platform.cli", "run", self.target,
+               "--host", "127.0.0.1", "--port", str(port)]
+        with self.log_path.open("wb") as log:
+            # Own session: if SIGTERM is not enough, the SIGKILL reaches Ray's children too.
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"[run] started `ember run {self.target}` (pid {self.proc.pid}) on {self.url}",
+              flush=True)
+        self._wait_ready(timeout_s)
+        return self.url
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"`ember run {self.target}` exited with {self.proc.returncode}"
+                                  f":\n{self.log_tail()}")
+            if "Press Ctrl-C" in self.log_path.read_text(errors="replace") and self._ready():
+                return
+            time.sleep(0.5)
+        raise ServerError(f"`ember run {self.target}` not ready in {timeout_s:g}s:\n"
+                          f"{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, grace_s: float = 90.0) -> None:
+        """SIGTERM (Ember shuts Serve and Ray down), then SIGKILL to the session if stuck."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            print(f"[run] pid {self.proc.pid} ignored SIGTERM for {grace_s:g}s; killing it",
+                  flush=True)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        print(f"[run] stopped `ember run {self.target}` (exit {self.proc.returncode})",
+              flush=True)
+
+
+class StatusRecorder(threading.Thread):
+    """Samples ``/-/status`` every 0.5 s into ``samples``, one row per deployment."""
+
+    def __init__(self, url: str, server: str, samples: list[dict[str, Any]]) -> None:
+        super().__init__(daemon=True, name=f"status-{server}")
+        self.url, self.server, self.samples = url, server, samples
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self.done.is_set():
+                # A missed sample is a gap in the plot, not a failed run.
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                    self.samples.extend(self.sample(client))
+                self.done.wait(SAMPLE_EVERY_S)
+
+    def sample(self, client: httpx.Client) -> list[dict[str, Any]]:
+        now = time.time()
+        rows = client.get(f"{self.url}/-/status").json()["deployments"]
+        return [{"t": now, "server": self.server, "deployment": r["deployment"],
+                 "running": r["replicas_running"], "starting": r["replicas_starting"],
+                 "ongoing": r["ongoing"], "queued": r["queued"]} for r in rows]
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
+
+
+def locust_command(scenario: Scenario, url: str, out: Path) -> list[str]:
+    name = scenario.name
+    return [sys.executable, "-m", "locust", "-f", str(HERE / f"{name}.py"), "--headless",
+            "-H", url, "--csv", str(out / name), "--csv-full-history",
+            "--html", str(out / f"{name}.html"), "--only-summary",
+            "--budget-report", str(out / f"{name}_budgets.json"),
+            "--requests-log", str(out / f"{name}_requests.csv"), *scenario.args]
+
+
+def wait_or_stop(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, bool]:
+    """Wait for locust; past ``timeout_s`` SIGTERM it (it still writes its reports)."""
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=30), True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout=30), True
+
+
+def run_scenario(scenario: Scenario, url: str, server: Server, out: Path) -> dict[str, Any]:
+    print(f"[run] {scenario.name}: locust {' '.join(scenario.args)}", flush=True)
+    started = time.time()
+    with (out / f"{scenario.name}.log").open("wb") as log:
+        proc = subprocess.Popen(locust_command(scenario, url, out), cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+        code, timed_out = wait_or_stop(proc, scenario.timeout_s)
+    budget_file = out / f"{scenario.name}_budgets.json"
+    result = json.loads(budget_file.read_text()) if budget_file.is_file() else {}
+    error = f"locust ran past {scenario.timeout_s:g}s and was stopped" if timed_out else None
+    run = {"name": scenario.name, "app": server.target, "server": server.target,
+           "started": started, "ended": time.time(), "exit_code": code, "error": error,
+           "budgets": result.get("budgets", []),
+           "passed": code == 0 and bool(result.get("passed")) and not timed_out}
+    for b in run["budgets"]:
+        shown = b.get("detail") or ("-" if b["measured"] is None else f"{b['measured']:g}")
+        limit = f"{'>=' if b['at_least'] else '<='} {b['limit']:g}{b['unit']}"
+        print(f"    {'ok' if b['passed'] else 'MISSED':6} {b['name']}: {shown} ({limit})",
+              flush=True)
+    print(f"[run] {scenario.name}: {'PASS' if run['passed'] else 'FAIL'} (exit {code}, "
+          f"{run['ended'] - started:.0f} s)", flush=True)
+    return run
+
+
+def not_run(scenario: Scenario, target: str, error: str) -> dict[str, Any]:
+    now = time.time()
+    return {"name": scenario.name, "app": target, "server": target, "started": now,
+            "ended": now, "exit_code": None, "error": error, "budgets": [], "passed": False}
+
+
+def serve_and_run(target: str, group: list[Scenario], args: argparse.Namespace,
+                  samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One server for ``group``; always stopped, whatever happens to the scenarios."""
+    out = args.out
+    label = target.replace("/", "_").replace(":", "_")
+    server = Server(target, out / f"server-{label}.log", args.scaledown_s)
+    recorder: StatusRecorder | None = None
+    try:
+        url = server.start(args.startup_timeout_s)
+        recorder = StatusRecorder(url, target, samples)
+        recorder.start()
+        return [run_scenario(s, url, server, out) for s in group]
+    except ServerError as exc:
+        print(f"[run] {exc}", file=sys.stderr, flush=True)
+        return [not_run(s, target, str(exc).splitlines()[0]) for s in group]
+    finally:
+        if recorder is not None:
+            recorder.stop()
+        server.stop()
+
+
+def write_samples(path: Path, samples: list[dict[str, Any]]) -> None:
+    fields = ["t", "server", "deployment", "running", "starting", "ongoing", "queued"]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(samples)
+
+
+def clear_previous(out: Path, names: list[str]) -> None:
+    """Remove the files an earlier run left, so the report never mixes two runs."""
+    for name in names:
+        for path in out.glob(f"{name}*"):
+            path.unlink()
+    for path in [*out.glob("server-*.log"), out / "index.html", out / "replicas.csv"]:
+        path.unlink(missing_ok=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="CI version: short and light")
+    parser.add_argument("--app", default=FLAGSHIP, help="app for coldstart and steady")
+    parser.add_argument("--overload-app", default=OVERLOAD_APP,
+                        help="app for overload: needs a deployment with a small max_queue")
+    parser.add_argument("--out", type=Path, default=HERE / "reports", help="report directory")
+    parser.add_argument("--scaledown-s", type=float, default=3.0,
+                        help="EMBER_SCALEDOWN_AFTER_S for the server (default 3)")
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = scenarios(args.short)
+    clear_previous(args.out, [s.name for s in plan])
+    groups: dict[str, list[Scenario]] = {}
+    for scenario in plan:  # dicts keep order: --app's scenarios first
+        groups.setdefault(args.overload_app if scenario.overload else args.app, []).append(
+            scenario)
+    samples: list[dict[str, Any]] = []
+    started = time.monotonic()
+    runs = [run for target, group in groups.items()
+            for run in serve_and_run(target, group, args, samples)]
+    write_samples(args.out / "replicas.csv", samples)
+    title = "Ember load tests" + (" (short)" if args.short else "")
+    index = report.write_report(args.out, runs, samples, title)
+    passed = all(run["passed"] for run in runs)
+    print(f"[run] {'PASS' if passed else 'FAIL'} in {time.monotonic() - started:.0f} s; "
+          f"report: {index}", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
