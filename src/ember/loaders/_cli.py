@@ -49,6 +49,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     warm.add_argument(
         "--regional", default=None, help="regional cache URL (default: EMBER_REGIONAL_CACHE)"
     )
+    warm.add_argument(
+        "--snapshot",
+        metavar="CODE_VERSION",
+        default=None,
+        help="also record this node's snapshot for a deployment's code version (e.g. the "
+        "flagship's ember.deployments.embeddings.CODE_VERSION), so replicas map it at once",
+    )
     warm.set_defaults(func=cmd_warm)
     sub.add_parser("ls", help="list cached blobs").set_defaults(func=cmd_ls)
     verify = sub.add_parser("verify", help="re-hash every blob; remove corrupted ones")
@@ -99,6 +106,11 @@ def _warm(args: argparse.Namespace) -> int:
         weights = resolve(args.url, config=_config(args, **extra), progress=progress)
     for path in weights.paths:
         print(path)
+    if args.snapshot is not None:
+        from ember.loaders._snapshot_cli import preload_snapshot
+
+        info = preload_snapshot(args.url, code_version=args.snapshot, config=_config(args))
+        print(f"snapshot {info.key[:12]} ({info.total_bytes} bytes) ready on this node")
     return 0
 
 

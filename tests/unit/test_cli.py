@@ -1,0 +1,56 @@
+"""The ``ember`` command line, without a server: parsing, targets, rendering, cache warm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ember.errors import ConfigError
+from ember.loaders import LoaderConfig, list_snapshots, load
+from ember.platform.cli import build_parser, load_app, main, render_status
+
+
+def test_every_subcommand_is_registered() -> None:
+    parser = build_parser()
+    for argv in (["run", "x:app"], ["status"], ["warm", "M", "--for", "10m"], ["plan"],
+                 ["cache", "ls"], ["snapshot", "ls"]):
+        assert parser.parse_args(argv).func is not None
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("no-colon", "must look like 'module:app'"),
+    ("examples/missing.py:app", "no such file"),
+    ("examples/mlp_app.py:nothing", "has no attribute 'nothing'"),
+    ("examples/mlp_app.py:SeedMLP", "not an ember.App"),
+    ("surely_not_a_module_xyz:app", "cannot import"),
+])
+def test_bad_targets_say_what_is_wrong(target: str, message: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    with pytest.raises(ConfigError, match=message):
+        load_app(target)
+
+
+def test_status_table_shows_cold_start_phases() -> None:
+    text = render_status({"app": "a", "ready": True, "deployments": [{
+        "deployment": "MiniLM", "replicas_running": 0, "replicas_starting": 1, "ongoing": 0,
+        "queued": 2, "floor": 0, "last_cold_start": {
+            "total_s": 0.41, "path": "pool", "phases": {"weights": 0.118, "warmup": 0.021}}}]})
+    assert "MiniLM" in text and "410 ms via pool (weights=118 warmup=21)" in text
+
+
+def test_cache_warm_records_a_snapshot(tmp_path: Path) -> None:
+    weights = tmp_path / "origin" / "model.safetensors"
+    weights.parent.mkdir()
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, str(weights))
+    cache = tmp_path / "cache"
+    code = main(["cache", "--cache-dir", str(cache), "warm", weights.as_uri(),
+                 "--snapshot", "v1"])
+    assert code == 0
+    [snapshot] = list_snapshots(LoaderConfig(cache_dir=cache))
+    assert snapshot.code_version == "v1" and snapshot.url == weights.as_uri()
+    assert torch.equal(load(weights.as_uri(), config=LoaderConfig(cache_dir=cache))["w"],
+                       torch.arange(6, dtype=torch.float32))
