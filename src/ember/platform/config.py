@@ -169,6 +169,17 @@ class DeploymentOptions(BaseModel):
         return self.model_copy(update={"scaledown_after_s": max(0.0, seconds)})
 
 
+def serve_logging() -> dict[str, Any]:
+    """Ray Serve logging for Ember's deployments: access logs only when asked for.
+
+    Ray Serve writes (and streams to the driver) a log line per request in every replica a
+    request passes; on a small machine that costs a large share of the CPU a request needs.
+    Ember's /metrics already counts and times every request. ``EMBER_ACCESS_LOG=1`` turns
+    the per-request lines back on.
+    """
+    return {"enable_access_log": os.environ.get("EMBER_ACCESS_LOG", "") in ("1", "true")}
+
+
 def check_name(value: str, what: str) -> str:
     """Refuse a name from a request that could reach the filesystem, a cache or a log.
 
@@ -224,6 +235,7 @@ def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
         "health_check_timeout_s": options.health_check_timeout_s,
         "max_constructor_retry_count": options.max_start_attempts,
         "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
+        "logging_config": serve_logging(),
         "autoscaling_config": {
             "min_replicas": options.warm_floor,
             "initial_replicas": options.warm_floor,

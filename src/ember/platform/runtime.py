@@ -20,7 +20,7 @@ from ray.serve.config import HTTPOptions
 from ember.platform._auth import ApiKeys
 from ember.platform._ratelimit import RateLimiter
 from ember.platform.app import App
-from ember.platform.config import to_ray_options
+from ember.platform.config import serve_logging, to_ray_options
 from ember.platform.ingress import EmberIngress
 from ember.platform.pool import POOL_DEPLOYMENT, EmberPool
 from ember.platform.replica import replica_class
@@ -52,6 +52,7 @@ def build_application(app: App) -> Any:
         # The ingress only awaits handles; it must never be the queue callers wait in.
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0.1},
+        logging_config=serve_logging(),
     )(EmberIngress)
     pool = _pool_deployment(app)
     pool_names = [s.name for s in app.pool_specs()]
@@ -72,6 +73,7 @@ def _pool_deployment(app: App) -> Any:
         # Requests reach the pool only while a deployment is cold; it must not queue them.
         max_ongoing_requests=512,
         ray_actor_options={"num_cpus": 0.1},
+        logging_config=serve_logging(),
         # Preloading runs setup() of every preloaded deployment before the pool is ready.
         health_check_timeout_s=60,
     )(EmberPool)
