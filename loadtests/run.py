@@ -1,14 +1,17 @@
 """Run the load-test scenarios against a local Ember and write a report (``make loadtest``).
 
-    python loadtests/run.py [--short] [--app module:app] [--overload-app file.py:app] [--out DIR]
+    python loadtests/run.py [--short] [--app module:app] [--overload-app file.py:app]
+        [--chaos-app file.py:app] [--out DIR]
 
 Starts ``ember run`` on a free 127.0.0.1 port with ``EMBER_SCALEDOWN_AFTER_S`` short (so
 the coldstart scenario does not wait minutes for zero replicas), runs ``coldstart`` and
-``steady`` against ``--app``, then ``overload`` against ``--overload-app`` (a second server,
-unless both are the same app), each as a headless locust subprocess. Meanwhile a thread
+``steady`` against ``--app``, then ``overload`` against ``--overload-app`` and ``chaos``
+(replicas SIGKILLed under load) against ``--chaos-app`` (a server per app, shared by
+scenarios that name the same one), each as a headless locust subprocess. Meanwhile a thread
 records ``/-/status`` every 0.5 s. Then it writes ``DIR/index.html`` (budgets, latency and
 replicas over time) next to locust's CSV and HTML reports, and exits 1 if any scenario
-missed a budget. ``--short`` is the CI version: few users, about 15 s of load per scenario.
+missed a budget. ``--short`` is the CI version: few users, about 15 s of load per scenario
+(30 s for chaos, which needs time for two kills and their recoveries).
 """
 
 from __future__ import annotations
@@ -35,31 +38,38 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FLAGSHIP = "ember.deployments.embeddings:app"
 OVERLOAD_APP = "loadtests/apps.py:app"
+CHAOS_APP = "loadtests/chaos_apps.py:app"
 SAMPLE_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    overload: bool  # served by --overload-app rather than --app
+    target: str  # the option naming its app: "app", "overload_app" or "chaos_app"
     args: tuple[str, ...]
     timeout_s: float  # a hard stop for the locust process, beyond its own bounds
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """The three scenarios; ``short`` keeps CI to a few users and seconds each."""
+    """The four scenarios; ``short`` keeps CI to a few users and seconds each."""
     if short:
         return [
-            Scenario("coldstart", False, ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
+            Scenario("coldstart", "app", ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
                                           "--zero-wait-s", "60"), 240),
-            Scenario("steady", False, ("-u", "4", "-r", "2", "--run-time", "15s"), 240),
-            Scenario("overload", True, ("-u", "12", "-r", "12", "--run-time", "15s"), 240),
+            Scenario("steady", "app", ("-u", "4", "-r", "2", "--run-time", "15s"), 240),
+            Scenario("overload", "overload_app", ("-u", "12", "-r", "12", "--run-time", "15s"),
+                     240),
+            # Kills at 10 s and 20 s; a recovery still under way at 30 s is waited for.
+            Scenario("chaos", "chaos_app", ("-u", "6", "-r", "6", "--run-time", "30s",
+                                            "--kill-every-s", "10"), 120),
         ]
     return [
-        Scenario("coldstart", False, ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
+        Scenario("coldstart", "app", ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
                  600),
-        Scenario("steady", False, ("-u", "8", "-r", "1", "--run-time", "60s"), 400),
-        Scenario("overload", True, ("-u", "24", "-r", "24", "--run-time", "30s"), 400),
+        Scenario("steady", "app", ("-u", "8", "-r", "1", "--run-time", "60s"), 400),
+        Scenario("overload", "overload_app", ("-u", "24", "-r", "24", "--run-time", "30s"), 400),
+        Scenario("chaos", "chaos_app", ("-u", "12", "-r", "4", "--run-time", "90s",
+                                        "--kill-every-s", "20"), 400),
     ]
 
 
@@ -259,6 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", default=FLAGSHIP, help="app for coldstart and steady")
     parser.add_argument("--overload-app", default=OVERLOAD_APP,
                         help="app for overload: needs a deployment with a small max_queue")
+    parser.add_argument("--chaos-app", default=CHAOS_APP,
+                        help="app for chaos: a deployment of 2 replicas answering their PID")
     parser.add_argument("--out", type=Path, default=HERE / "reports", help="report directory")
     parser.add_argument("--scaledown-s", type=float, default=3.0,
                         help="EMBER_SCALEDOWN_AFTER_S for the server (default 3)")
@@ -275,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     clear_previous(args.out, [s.name for s in plan])
     groups: dict[str, list[Scenario]] = {}
     for scenario in plan:  # dicts keep order: --app's scenarios first
-        groups.setdefault(args.overload_app if scenario.overload else args.app, []).append(
-            scenario)
+        groups.setdefault(getattr(args, scenario.target), []).append(scenario)
     samples: list[dict[str, Any]] = []
     started = time.monotonic()
     runs = [run for target, group in groups.items()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("coldstart", "steady", "overload")
+SCENARIOS = ("coldstart", "steady", "overload", "chaos")
 
 
 @pytest.mark.slow

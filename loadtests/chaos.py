@@ -1,0 +1,295 @@
+"""Chaos: SIGKILL a replica every ``--kill-every-s`` under steady load; almost nothing fails.
+
+Meant for ``loadtests/chaos_apps.py:app`` (deployment ``Sleeper``: two replicas, 100-200 ms
+per request, each answer naming the PID of its replica), served on this machine. Users
+POST steadily for ``--run-time``. Meanwhile a killer (one, on the master or local runner)
+wakes every ``--kill-every-s``, finds the replica processes by asking ``--pid-path`` a few
+times, checks that the PID is a Ray Serve replica of that deployment on this machine, and
+SIGKILLs one. It then polls ``/-/status`` until ``replicas_running`` is back to
+``--replicas`` and the replicas answering are two live processes, not the killed one, and
+records how long that took. No kill is made in the last ``--quiet-tail-s`` of the run; a
+recovery still under way when the load ends is waited for before the budgets are checked.
+
+Budgets: the share of requests that succeeded (a request caught on the killed replica is
+retried once on the other, so nearly all should), the slowest recovery to full size, and
+at least one kill (a run that never killed anything proves nothing).
+
+    locust -f loadtests/chaos.py --headless -H http://127.0.0.1:8000 -u 8 -r 4 \\
+        --run-time 90s --kill-every-s 20
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import gevent
+import httpx
+import psutil
+from common import (
+    Budget,
+    add_target_options,
+    deployment_row,
+    fill_run_defaults,
+    finish,
+    log_requests,
+    post_ok,
+    wait_until,
+)
+from locust import FastHttpUser, LoadTestShape, between, events, task
+from locust.runners import WorkerRunner
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+#: Polls of /-/status while a replica is replaced.
+RECOVERY_POLL_S = 0.25
+#: How long past the recovery budget a recovery is still waited for (to report how late).
+RECOVERY_GRACE_S = 5.0
+
+
+@dataclass
+class Kill:
+    """One SIGKILL: when (seconds since the load started), whom, and how long until whole."""
+
+    at_s: float
+    pid: int
+    recovery_s: float | None = None  # None while the replacement is awaited
+    recovered: bool = False
+
+
+@dataclass
+class ChaosState:
+    """What the hooks, the killer, the users and the shape of this process share."""
+
+    error: str | None = None
+    started: float = 0.0  # time.monotonic() when the load started
+    stopping: bool = False  # the load is over: no more kills
+    kills: list[Kill] = field(default_factory=list)
+    killer: Any = None  # the killer's greenlet
+
+
+STATE = ChaosState()
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser: Any) -> None:
+    add_target_options(parser, deployment="Sleeper", path="/sleep")
+    group = parser.add_argument_group("chaos scenario")
+    group.add_argument("--pid-path", default="/sleep/pid",
+                       help="GET route answering {\"pid\": ...} of the replica that served it")
+    group.add_argument("--replicas", type=int, default=2,
+                       help="the deployment's size, to which it must come back (default 2)")
+    group.add_argument("--kill-every-s", type=float, default=20.0,
+                       help="SIGKILL one replica this often (default 20)")
+    group.add_argument("--quiet-tail-s", type=float, default=5.0,
+                       help="no kill in the last seconds of the run (default 5)")
+    group.add_argument("--budget-success-ratio", type=float, default=0.99,
+                       help="successful / all requests (default 0.99)")
+    group.add_argument("--budget-recovery-s", type=float, default=15.0,
+                       help="max seconds from a kill until the deployment is back to size "
+                       "(default 15)")
+    group.add_argument("--budget-min-kills", type=int, default=1,
+                       help="kills needed for the run to count (default 1)")
+
+
+@events.init.add_listener
+def _wait_ready(environment: Any, **_: Any) -> None:
+    """Before any user: the deployment answers and has all its replicas running."""
+    options = environment.parsed_options
+    if options is None:  # used as a library: nothing to prepare
+        return
+    fill_run_defaults(options, users=8, spawn_rate=4, run_time_s=90)
+    log_requests(environment)
+    if not environment.host:
+        STATE.error = "no host: pass -H http://127.0.0.1:PORT"
+        return
+    if urlsplit(environment.host).hostname not in LOCAL_HOSTS:
+        # The killer signals replica processes by PID, which only means something here.
+        STATE.error = f"the server must run on this machine (127.0.0.1), not {environment.host}"
+        return
+    host = environment.host.rstrip("/")
+
+    def ready() -> bool:
+        row = deployment_row(host, options.deployment)
+        return (row is not None and row.get("replicas_running", 0) >= options.replicas
+                and post_ok(f"{host}{options.path}", {}, timeout_s=30))
+
+    if not wait_until(ready, options.ready_timeout_s, 1):
+        STATE.error = (f"{options.deployment} never had {options.replicas} replicas running "
+                       f"and answering within {options.ready_timeout_s:g}s")
+
+
+def elapsed_s() -> float:
+    return time.monotonic() - STATE.started
+
+
+def replica_pids(host: str, options: Any, tries: int = 16) -> set[int]:
+    """PIDs of the replicas answering ``--pid-path`` (up to ``tries`` asks, outside stats)."""
+    pids: set[int] = set()
+    with httpx.Client(timeout=5) as client:
+        for _ in range(tries):
+            try:
+                reply = client.get(f"{host}{options.pid_path}")
+                if reply.status_code == 200:
+                    pids.add(int(reply.json()["pid"]))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass  # a replica dying under the ask: ask again
+            if len(pids) >= options.replicas:
+                break
+    return pids
+
+
+def is_replica(pid: int, deployment: str) -> bool:
+    """Whether ``pid`` is a live Ray Serve replica process of ``deployment`` on this machine.
+
+    Ray names a replica's process ``ray::ServeReplica:<app>:<deployment>...``: checking it
+    keeps the killer from ever signalling some other process with the same PID.
+    """
+    try:
+        title = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "ServeReplica:" in title and f":{deployment}" in title
+
+
+def wait_recovered(host: str, options: Any, victim: int) -> tuple[float, bool]:
+    """Seconds until the deployment is back to size without ``victim``, and whether it was.
+
+    Back to size means ``/-/status`` counts ``--replicas`` running and that many distinct
+    processes, none of them the killed one, answer: the status alone can lag the kill.
+    """
+    started = time.monotonic()
+    deadline = started + options.budget_recovery_s + RECOVERY_GRACE_S
+    while time.monotonic() < deadline:
+        row = deployment_row(host, options.deployment)
+        if row is not None and row.get("replicas_running", 0) >= options.replicas:
+            pids = replica_pids(host, options)
+            if len(pids) >= options.replicas and victim not in pids:
+                return round(time.monotonic() - started, 2), True
+        gevent.sleep(RECOVERY_POLL_S)
+    return round(time.monotonic() - started, 2), False
+
+
+def kill_loop(environment: Any) -> None:
+    """Kill one replica every ``--kill-every-s`` and time each recovery, until told to stop."""
+    options = environment.parsed_options
+    host = environment.host.rstrip("/")
+    last_kill_s = options.run_time_s - options.quiet_tail_s
+    due_s = options.kill_every_s
+    while due_s <= last_kill_s:
+        gevent.sleep(max(0.0, due_s - elapsed_s()))
+        if STATE.stopping or STATE.error:
+            return
+        pids = replica_pids(host, options)
+        if not pids:
+            STATE.error = f"no {options.deployment} replica answered at {elapsed_s():.1f}s"
+            return
+        victim = random.choice(sorted(pids))
+        if not is_replica(victim, options.deployment):
+            STATE.error = (f"pid {victim} is not a {options.deployment} replica on this "
+                           "machine; nothing was killed")
+            return
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError as exc:  # gone in between, or not ours to signal
+            STATE.error = f"could not SIGKILL pid {victim}: {exc}"
+            return
+        kill = Kill(at_s=round(elapsed_s(), 2), pid=victim)
+        STATE.kills.append(kill)
+        print(f"[chaos] kill {len(STATE.kills)} at {kill.at_s:.1f}s: SIGKILL pid {victim} "
+              f"({len(pids)} replicas seen)", flush=True)
+        kill.recovery_s, kill.recovered = wait_recovered(host, options, victim)
+        print(f"[chaos] kill {len(STATE.kills)}: "
+              + (f"back to {options.replicas} replicas in {kill.recovery_s:.2f}s"
+                 if kill.recovered else
+                 f"NOT back to {options.replicas} replicas after {kill.recovery_s:.2f}s"),
+              flush=True)
+        if not kill.recovered:
+            return  # the budget is missed already; more kills would only add noise
+        due_s += options.kill_every_s
+
+
+@events.test_start.add_listener
+def _start_killer(environment: Any, **_: Any) -> None:
+    # One killer per run: on the master (or the local runner), never on each worker.
+    if isinstance(environment.runner, WorkerRunner) or STATE.error or STATE.killer is not None:
+        return
+    STATE.started = time.monotonic()
+    STATE.killer = gevent.spawn(kill_loop, environment)
+
+
+@events.test_stop.add_listener
+def _stop_killing(**_: Any) -> None:
+    STATE.stopping = True
+
+
+def check_served(response: Any) -> None:
+    """Mark a ``catch_response`` response ok only if a replica answered with its PID."""
+    if response.status_code != 200:
+        response.failure(f"HTTP {response.status_code}: {(response.text or '')[:200]}")
+        return
+    try:
+        pid = response.json()["pid"]
+    except (ValueError, KeyError, TypeError) as exc:
+        response.failure(f"unexpected body: {exc!r}")
+        return
+    if isinstance(pid, int):
+        response.success()
+    else:
+        response.failure(f"unexpected pid: {pid!r}")
+
+
+class ChaosUser(FastHttpUser):
+    wait_time = between(0.05, 0.25)
+    network_timeout = 60.0
+    connection_timeout = 10.0
+
+    @task
+    def work(self) -> None:
+        path = self.environment.parsed_options.path
+        with self.client.post(path, json={}, name=path.strip("/") or "root",
+                              catch_response=True) as resp:
+            check_served(resp)
+
+
+class Steady(LoadTestShape):
+    """-u users at -r users/s, held until --run-time (kills or not)."""
+
+    use_common_options = True
+
+    def tick(self) -> tuple[int, float] | None:
+        options = self.runner.environment.parsed_options
+        if STATE.error or self.get_run_time() >= options.run_time_s:
+            return None
+        return options.num_users, options.spawn_rate
+
+
+@events.quitting.add_listener
+def _check_budgets(environment: Any, **_: Any) -> None:
+    options = environment.parsed_options
+    STATE.stopping = True
+    if STATE.killer is not None:
+        # A recovery under way when the load ended still counts: wait for its verdict.
+        STATE.killer.join(timeout=options.budget_recovery_s + RECOVERY_GRACE_S + 20)
+        STATE.killer.kill(block=False)
+    total = environment.stats.total
+    recoveries = [k.recovery_s for k in STATE.kills if k.recovery_s is not None]
+    slowest = max(recoveries) if recoveries else None
+    if any(k.recovery_s is None for k in STATE.kills):
+        slowest = None  # a recovery was cut short: unknown, so not a pass
+    for number, kill in enumerate(STATE.kills, 1):
+        verdict = ("not measured" if kill.recovery_s is None else
+                   f"{'back' if kill.recovered else 'NOT back'} after {kill.recovery_s:g}s")
+        print(f"[chaos] kill {number}: pid {kill.pid} at {kill.at_s:g}s, {verdict}", flush=True)
+    budgets = [
+        Budget("success ratio", round(1 - total.fail_ratio, 4) if total.num_requests else None,
+               options.budget_success_ratio, at_least=True),
+        Budget("replica kills", len(STATE.kills), options.budget_min_kills, at_least=True),
+        Budget(f"slowest recovery to {options.replicas} replicas", slowest,
+               options.budget_recovery_s, " s"),
+    ]
+    finish(environment, "chaos", budgets, STATE.error)

