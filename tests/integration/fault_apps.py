@@ -59,4 +59,19 @@ class Broken:
         return {}
 
 
-app = ember.App([Fragile, Drainer, Sickly, Broken], name="fault-tests", warm_pool=0)
+@ember.deployment(route="/slow-setup", warm_floor=0, max_replicas=1, num_cpus=0.1,
+                  health_check_period_s=0.5, health_check_timeout_s=0.5)
+class SlowSetup:
+    """Loads for far longer than its health-check timeout: that is a start, not a failure."""
+
+    def setup(self) -> None:
+        import time
+
+        time.sleep(4)
+
+    def __call__(self, body: Work) -> dict[str, int]:
+        return {"pid": os.getpid()}
+
+
+app = ember.App([Fragile, Drainer, Sickly, Broken, SlowSetup], name="fault-tests",
+                warm_pool=0)

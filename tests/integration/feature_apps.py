@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel
@@ -129,8 +130,33 @@ class Post:
 
 pipe = ember.pipeline([Pre, Mid, Post], route="/pipe", name="pipe")
 
+
+class Marked(BaseModel):
+    marker: str
+
+
+@ember.deployment(warm_floor=1, num_cpus=0.1, max_replicas=1)
+class Forward:
+    def __call__(self, body: Marked) -> str:
+        return body.marker
+
+
+@ember.deployment(warm_floor=1, num_cpus=0.1, max_replicas=1)
+class Stuck:
+    async def __call__(self, marker: str) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            Path(marker).write_text("cancelled")  # the downstream stage saw the deadline
+            raise
+        return "never"
+
+
+stuck_pipe = ember.pipeline([Forward, Stuck], route="/stuck", name="stuck",
+                            request_timeout_s=1.5)
+
 app = ember.App(
-    [Summer, Doubler, FakeEmbedder, Counter, pipe],
+    [Summer, Doubler, FakeEmbedder, Counter, pipe, stuck_pipe],
     name="feature-tests",
     protocols=[
         OpenAIEmbeddings(deployment="FakeEmbedder", attr="embed", model="fake-8",

@@ -221,3 +221,14 @@ def test_compressed_body_is_refused_unread(url: str) -> None:
     reply = httpx.post(f"{url}/echo", content=gzip.compress(b'{"text": "x"}' * 10), timeout=30,
                        headers={"content-type": "application/json", "content-encoding": "gzip"})
     assert reply.status_code == 415
+
+
+def test_huge_headers_are_refused(url: str) -> None:
+    headers = {f"x-filler-{i}": "y" * 1000 for i in range(70)}  # 70 KiB of headers
+    try:
+        reply = httpx.get(f"{url}/healthz", headers=headers, timeout=30)
+    except httpx.RemoteProtocolError:
+        pass  # the HTTP server dropped the connection before the app: also a refusal
+    else:
+        assert reply.status_code in (400, 431)
+    assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200

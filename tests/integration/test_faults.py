@@ -119,3 +119,11 @@ def test_deployment_that_cannot_start_answers_503_not_a_hang(url: str) -> None:
     status = deployment_status(url, "Broken")
     assert status["status"] in ("UNHEALTHY", "DEPLOY_FAILED")
     assert status["message"]  # Ray Serve's reason, shown by `ember status --json`
+
+
+def test_slow_setup_is_not_mistaken_for_a_failed_health_check(url: str) -> None:
+    started = time.monotonic()
+    reply = httpx.post(f"{url}/slow-setup", json={}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert time.monotonic() - started >= 4  # it waited for setup(), it was not routed early
+    assert deployment_status(url, "SlowSetup")["status"] not in ("UNHEALTHY", "DEPLOY_FAILED")

@@ -7,6 +7,7 @@ import base64
 import struct
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -149,3 +150,11 @@ def test_cold_pipeline_wakes_every_stage_at_once(url: str) -> None:
     assert out["text"] == "ABC" and out["stages"] == ["pre", "mid", "post"]
     # Post's replica was loading while Mid's was: the cold starts overlapped.
     assert out["post"]["setup_started"] < out["mid"]["setup_done"], out
+
+
+def test_pipeline_timeout_is_504_and_cancels_the_downstream_stage(url: str,
+                                                                 tmp_path: Path) -> None:
+    marker = tmp_path / "stuck-cancelled"
+    reply = httpx.post(f"{url}/stuck", json={"marker": str(marker)}, timeout=60)
+    assert reply.status_code == 504
+    wait_for(marker.exists, 15, what="the downstream stage to be cancelled")
