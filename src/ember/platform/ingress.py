@@ -13,8 +13,10 @@ import inspect
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request, Response
@@ -45,7 +47,8 @@ from ember.platform.state import LoadTracker
 
 logger = logging.getLogger("ember.ingress")
 
-_STATUS_POLL_S = 0.5
+_STATUS_POLL_S = 1.0
+_FAST_POLL_S = 0.25
 COLD_START_HEADER = "X-Ember-Cold-Start"
 _DEFAULT_BODY_LIMIT = 1 << 20
 
@@ -94,17 +97,48 @@ class IngressState:
         return self.tracker.ready()
 
     async def poll_replicas(self) -> None:
-        """Keep replica counts fresh without putting the controller on the request path."""
+        """Keep replica counts fresh without putting the controller on the request path.
+
+        Polls every second, and four times a second while a deployment is changing size
+        (replicas starting, or requests waiting at zero), when a fresh count decides where
+        requests go.
+        """
         while True:
             try:
-                status = await asyncio.to_thread(serve.status)
-                app_status = status.applications.get(self.app_name)
-                if app_status is not None:
-                    for name, overview in app_status.deployments.items():
-                        self.tracker.update_replicas(name, overview)
+                overviews = await asyncio.to_thread(read_replica_states, self.app_name)
+                for name, overview in overviews.items():
+                    self.tracker.update_replicas(name, overview)
+                self.tracker.polled = True
             except Exception:  # the controller may be restarting; try again next tick
                 logger.warning("replica status poll failed", exc_info=True)
-            await asyncio.sleep(_STATUS_POLL_S)
+            await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else _STATUS_POLL_S)
+
+
+def read_replica_states(app_name: str) -> dict[str, Any]:
+    """Replica states per deployment of ``app_name``, read from the controller's details.
+
+    ``serve.status()`` builds Serve's full pydantic schema from the same details, which
+    re-serializes every deployment's router class: measured at a third of the ingress's CPU
+    under load when polled twice a second. The plain dict has all Ember needs.
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        return {}
+    app = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
+    overviews: dict[str, Any] = {}
+    for name, details in (app.get("deployments") or {}).items():
+        states = Counter(_enum_text(r.get("state")) for r in details.get("replicas") or [])
+        overviews[name] = SimpleNamespace(replica_states=dict(states),
+                                          status=_enum_text(details.get("status", "UNKNOWN")),
+                                          message=str(details.get("message") or ""))
+    return overviews
+
+
+def _enum_text(value: Any) -> str:
+    # The details hold Serve's str-valued enums; str() of those is "ReplicaState.RUNNING".
+    return str(getattr(value, "value", value))
 
 
 def _response_model(route: RouteSpec) -> Any:

@@ -69,6 +69,8 @@ class LoadTracker:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
         self.pool_running = 0
+        #: Whether replica states have been read at least once; not ready before that.
+        self.polled = False
 
     @contextmanager
     def track(self, deployment: str) -> Iterator[bool]:
@@ -101,9 +103,15 @@ class LoadTracker:
         self.metrics.floor.labels(deployment).set(load.options.warm_floor)
         self._publish(load)
 
+    def changing(self) -> bool:
+        """Whether some deployment is starting replicas or has requests waiting at zero."""
+        return any(load.starting > 0 or (load.running == 0 and load.inflight > 0)
+                   for load in self.loads.values())
+
     def ready(self) -> bool:
         """True when every deployment with a floor has at least that many running replicas."""
-        return all(load.running >= load.options.warm_floor for load in self.loads.values())
+        floors_met = all(load.running >= load.options.warm_floor for load in self.loads.values())
+        return self.polled and floors_met
 
     def _publish(self, load: DeploymentLoad) -> None:
         self.metrics.ongoing.labels(load.name).set(load.ongoing)
