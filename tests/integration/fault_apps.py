@@ -73,5 +73,22 @@ class SlowSetup:
         return {"pid": os.getpid()}
 
 
-app = ember.App([Fragile, Drainer, Sickly, Broken, SlowSetup], name="fault-tests",
+STARTED_MARKER = Path(os.environ.get("EMBER_TEST_STARTED", "/tmp/ember-test-started"))
+
+
+@ember.deployment(route="/order", warm_floor=1, max_replicas=2, num_cpus=0.1,
+                  scaledown_after_s=0.5)
+class ScaleOrder:
+    def setup(self) -> None:
+        import time
+
+        if STARTED_MARKER.exists():  # not the first replica: a slow load
+            time.sleep(8)
+        STARTED_MARKER.write_text(str(os.getpid()))
+
+    def __call__(self, body: Work) -> dict[str, int]:
+        return {"pid": os.getpid()}
+
+
+app = ember.App([Fragile, Drainer, Sickly, Broken, SlowSetup, ScaleOrder], name="fault-tests",
                 warm_pool=0)

@@ -24,6 +24,7 @@ def url(serve_port: int) -> Iterator[str]:
     from ray import serve
 
     fault_apps.SICK_FLAG.unlink(missing_ok=True)
+    fault_apps.STARTED_MARKER.unlink(missing_ok=True)
     base = ember.serve(fault_apps.app, port=serve_port)
     wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
     yield base
@@ -127,3 +128,19 @@ def test_slow_setup_is_not_mistaken_for_a_failed_health_check(url: str) -> None:
     assert reply.status_code == 200, reply.text
     assert time.monotonic() - started >= 4  # it waited for setup(), it was not routed early
     assert deployment_status(url, "SlowSetup")["status"] not in ("UNHEALTHY", "DEPLOY_FAILED")
+
+
+def test_scale_down_removes_a_starting_replica_before_a_serving_one(url: str) -> None:
+    serving = httpx.post(f"{url}/order", json={}, timeout=60).json()["pid"]
+    assert httpx.post(f"{url}/-/warm/ScaleOrder", params={"for": "60", "floor": 2},
+                      timeout=30).status_code == 200
+    wait_for(lambda: deployment_status(url, "ScaleOrder")["replicas_starting"] == 1, 30,
+             what="a second replica starting")
+    assert httpx.delete(f"{url}/-/warm/ScaleOrder", timeout=30).status_code == 200
+    wait_for(lambda: deployment_status(url, "ScaleOrder")["replicas_starting"] == 0, 30,
+             what="the starting replica to go")
+    time.sleep(1)
+    status = deployment_status(url, "ScaleOrder")
+    assert status["replicas_running"] == 1
+    pids = {httpx.post(f"{url}/order", json={}, timeout=30).json()["pid"] for _ in range(5)}
+    assert pids == {serving}  # the replica that was serving is the one that stayed
