@@ -72,6 +72,7 @@ class IngressState:
         self.metrics = Metrics()
         self.tracker = LoadTracker(options, self.metrics)
         self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
+        self.tracker.pool_expected = pool is not None
         self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
         self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
         self._deployment_of = {r.path: r.deployment for r in routes}

@@ -69,6 +69,8 @@ class LoadTracker:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
         self.pool_running = 0
+        #: Whether the app has a warm pool, whose replica must be up before it is ready.
+        self.pool_expected = False
         #: Whether replica states have been read at least once; not ready before that.
         self.polled = False
 
@@ -105,13 +107,16 @@ class LoadTracker:
 
     def changing(self) -> bool:
         """Whether some deployment is starting replicas or has requests waiting at zero."""
+        if self.pool_expected and self.pool_running == 0:
+            return True
         return any(load.starting > 0 or (load.running == 0 and load.inflight > 0)
                    for load in self.loads.values())
 
     def ready(self) -> bool:
-        """True when every deployment with a floor has at least that many running replicas."""
+        """True when every floor is met and the warm pool (if any) is up, as last read."""
         floors_met = all(load.running >= load.options.warm_floor for load in self.loads.values())
-        return self.polled and floors_met
+        pool_up = self.pool_running > 0 or not self.pool_expected
+        return self.polled and floors_met and pool_up
 
     def _publish(self, load: DeploymentLoad) -> None:
         self.metrics.ongoing.labels(load.name).set(load.ongoing)
