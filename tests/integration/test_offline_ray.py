@@ -9,7 +9,6 @@ import asyncio
 import csv
 import json
 import os
-import pickle
 import signal
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ember.platform._offline_cli import main as batch_main
-from ember.platform._offline_mapping import plan_inputs
+from ember.platform._offline_mapping import encode_result, plan_inputs
 from ember.platform._offline_read import read_shard
 from ember.platform._offline_shards import discover, plan
 from ember.platform._offline_sink import OutputStore, ShardAssembler, done_shards
@@ -331,7 +330,7 @@ def test_shards_read_from_and_commit_to_object_storage(s3: dict[str, Any]) -> No
             rows = block.to_pylist()
             assembler.add(pa.Table.from_pylist([
                 {"_shard": r["_shard"], "_row": r["_row"], "_id": r["_id"], "_reason": None,
-                 "_message": None, "_result": pickle.dumps({"n": r["_row"]})} for r in rows]))
+                 "_message": None, "_result": encode_result({"n": r["_row"]})} for r in rows]))
     assert done_shards(store, manifest, "parquet") == {0, 1}
     table = pq.read_table("offline-in/out/part-00001.parquet", filesystem=fs).to_pylist()
     assert table == [{"id": f"s{i}", "row_index": i, "n": i} for i in (3, 4, 5)]

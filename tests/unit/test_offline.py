@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import io
 import json
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ if HAS_ARROW:
         ROW_SCHEMA,
         BatchRunner,
         LocalMapper,
+        encode_item,
+        encode_result,
         flatten,
         plan_inputs,
     )
@@ -182,7 +183,7 @@ def test_plan_cuts_deterministic_shards_and_reads_them_back(tmp_path: Path) -> N
             for r in t.to_pylist()]
     assert [r["_row"] for r in rows] == list(range(10))
     assert [r["_id"] for r in rows][5:8] == ["r5", "r6", "7"]
-    assert [pickle.loads(r["_input"]) for r in rows][7:] == ["p0", "p1", "p2"]
+    assert [json.loads(r["_input"]) for r in rows][7:] == ["p0", "p1", "p2"]
 
 
 @needs_arrow
@@ -309,14 +310,14 @@ class Counting:
 def test_local_mapper_sets_up_once_and_passes_bad_rows_through() -> None:
     table = pa.Table.from_pylist([
         {"_shard": 0, "_row": 0, "_id": "a", "_reason": None, "_message": None,
-         "_input": pickle.dumps("abc"), "_size": 3},
+         "_input": encode_item("abc"), "_size": 3},
         {"_shard": 0, "_row": 1, "_id": "b", "_reason": "invalid_json", "_message": "x",
          "_input": None, "_size": 1}], schema=ROW_SCHEMA)
     mapper = LocalMapper(ember.deployment(Counting), "run", tensor=False, max_batch_bytes=100,
-                         deployment="Counting")
+                         deployment="Counting", item_type=str)
     first, second = mapper(table).to_pylist(), mapper(table).to_pylist()
     assert Counting.setups == 1 and first == second
-    assert pickle.loads(first[0]["_result"]) == {"output": 3}
+    assert json.loads(first[0]["_result"]) == {"output": 3}
     assert (first[1]["_reason"], first[1]["_result"]) == ("invalid_json", None)
 
 
@@ -326,7 +327,7 @@ def test_local_mapper_sets_up_once_and_passes_bad_rows_through() -> None:
 def _result_table(rows: list[tuple[int, int, str | None]]) -> Any:
     return pa.Table.from_pylist([
         {"_shard": s, "_row": r, "_id": str(r), "_reason": reason, "_message": reason,
-         "_result": None if reason else pickle.dumps({"output": r})}
+         "_result": None if reason else encode_result({"output": r})}
         for s, r, reason in rows])
 
 

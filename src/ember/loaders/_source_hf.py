@@ -1,8 +1,9 @@
 """Weights in a Hugging Face repository: ``hf://org/repo@revision[/file]``.
 
-Offline (``HF_HUB_OFFLINE=1``) or when the revision is already in the local Hugging Face
-cache, files are read from that cache with ``local_files_only=True``; nothing is downloaded.
-Online, reads stream through ``huggingface_hub.HfFileSystem`` ranges.
+Files are read from the local Hugging Face cache with ``local_files_only=True``: Ember never
+downloads from a hub at run time. Put a revision in the cache beforehand (for example with
+``huggingface-cli download``, or by copying a cache directory), or serve the weights from
+object storage (``s3://``, ``gs://``) or a file.
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ember.loaders._errors import UnsafePath, WeightsNotFound
 from ember.loaders._paths import SHA256_HEX, check_relative
 from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._source_file import FileSource, file_version
-from ember.loaders._source_fsspec import FsspecSource
 
 _REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_TRUE = {"1", "true", "yes", "on"}
 
 
 @dataclass(frozen=True)
@@ -52,11 +50,6 @@ def parse_hf_url(url: str) -> HfRef:
         raise UnsafePath(name=url, reason=f"invalid revision {revision!r}")
     path = "/".join(parts[2:]) or None
     return HfRef(f"{org}/{repo}", revision, check_relative(path) if path else None)
-
-
-def _offline() -> bool:
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return env.strip().lower() in _TRUE
 
 
 def _hub_cache() -> str:
@@ -98,7 +91,7 @@ def open_hf(url: str) -> tuple[WeightSource, str | None]:
     """Open ``url`` as a source and return it with the file the URL names, if any.
 
     Raises:
-        WeightsNotFound: offline and the revision is not in the local cache.
+        WeightsNotFound: the revision is not in the local cache.
         UnsafePath: the URL is malformed.
     """
     ref = parse_hf_url(url)
@@ -106,26 +99,12 @@ def open_hf(url: str) -> tuple[WeightSource, str | None]:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        snapshot = snapshot_download(
-            ref.repo_id, revision=ref.revision, cache_dir=_hub_cache(), local_files_only=True
-        )
-        return HfCacheSource(Path(snapshot), ref), ref.path
+        snapshot = snapshot_download(ref.repo_id, local_files_only=True, revision=ref.revision,
+                                     cache_dir=_hub_cache())
     except LocalEntryNotFoundError:
-        if _offline():
-            raise WeightsNotFound(
-                "offline and not in the local Hugging Face cache", url=url
-            ) from None
-    return _online(ref), ref.path
-
-
-def _online(ref: HfRef) -> WeightSource:
-    from huggingface_hub import HfFileSystem
-
-    fs: Any = HfFileSystem()
-    resolved = fs.resolve_path(f"{ref.repo_id}@{ref.revision}")
-    commit = str(resolved.revision)
-    namespace = "models--" + ref.repo_id.replace("/", "--")
-    source = FsspecSource(
-        fs, f"{ref.repo_id}@{commit}", url=f"hf://{ref.repo_id}@{commit}", namespace=namespace
-    )
-    return source
+        raise WeightsNotFound(
+            "not in the local Hugging Face cache, and Ember reads hf:// offline only (it never "
+            "downloads from a hub at run time): fill the cache first, e.g. with "
+            "huggingface-cli download", url=url
+        ) from None
+    return HfCacheSource(Path(snapshot), ref), ref.path

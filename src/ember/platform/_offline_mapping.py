@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import pickle
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Literal, Protocol
 
 import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import to_json
 
 from ember.errors import ConfigError
 from ember.platform._offline_errors import HandlerContract, OfflineError
@@ -49,6 +49,25 @@ RESULT_SCHEMA = pa.schema([
 @functools.lru_cache(maxsize=64)
 def _adapter(tp: Any) -> TypeAdapter[Any]:
     return TypeAdapter(tp)
+
+
+# Items and results cross Ray Data's blocks as JSON, not pickles: a job's inputs come from
+# outside, and nothing in Ember ever loads a pickle.
+
+def encode_item(item: Any) -> bytes:
+    """An item prepared by :meth:`InputPlan.prepare`, as JSON for the block."""
+    return to_json(item, by_alias=True)
+
+
+def decode_items(blobs: list[bytes], item_type: Any) -> list[Any]:
+    """The handler's items back from their JSON, typed as ``item_type`` again."""
+    adapter = _adapter(item_type)
+    return [adapter.validate_json(blob) for blob in blobs]
+
+
+def encode_result(columns: dict[str, Any]) -> bytes:
+    """One result's output columns as JSON (numpy arrays become lists)."""
+    return to_json(columns, fallback=lambda value: value.tolist())
 
 
 @dataclass(frozen=True)
@@ -255,20 +274,20 @@ class Runs(Protocol):
     def run(self, items: list[Any], sizes: list[int]) -> list[Outcome]: ...
 
 
-def map_table(table: pa.Table, runner: Runs) -> pa.Table:
+def map_table(table: pa.Table, runner: Runs, item_type: Any) -> pa.Table:
     """Run the good rows of a ``ROW_SCHEMA`` table; bad rows pass through as they came."""
     cols = table.to_pydict()
     reasons: list[str | None] = list(cols["_reason"])
     messages: list[str | None] = list(cols["_message"])
     good = [i for i, reason in enumerate(reasons) if reason is None]
-    items = [pickle.loads(cols["_input"][i]) for i in good]
+    items = decode_items([cols["_input"][i] for i in good], item_type)
     outcomes = runner.run(items, [int(cols["_size"][i]) for i in good])
     results: list[bytes | None] = [None] * len(reasons)
     for i, outcome in zip(good, outcomes, strict=True):
         if outcome.error is not None:
             reasons[i], messages[i] = "handler_error", outcome.error
         else:
-            results[i] = pickle.dumps(flatten(outcome.value), protocol=5)
+            results[i] = encode_result(flatten(outcome.value))
     return pa.table({"_shard": cols["_shard"], "_row": cols["_row"], "_id": cols["_id"],
                      "_reason": reasons, "_message": messages, "_result": results},
                     schema=RESULT_SCHEMA)
@@ -289,7 +308,7 @@ class LocalMapper:
     """
 
     def __init__(self, cls: type, attr: str, tensor: bool, max_batch_bytes: int,
-                 deployment: str) -> None:
+                 deployment: str, item_type: Any = Any) -> None:
         # One loop per worker: async handlers and setup run on it, sync ones directly.
         self._loop = asyncio.new_event_loop()
         impl = cls()
@@ -299,6 +318,7 @@ class LocalMapper:
                 self._await(method())
         self._fn: Callable[[Any], Any] = getattr(impl, attr)
         self._tensor = tensor
+        self._item_type = item_type
         self.runner = BatchRunner(self._call, max_batch_bytes, (deployment, attr))
 
     def _await(self, value: Any) -> Any:
@@ -312,4 +332,4 @@ class LocalMapper:
         return list(self._await(self._fn(items)))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return map_table(batch, self.runner)
+        return map_table(batch, self.runner, self._item_type)

@@ -44,6 +44,7 @@ def build_dataset(pending: list[Shard], plan: InputPlan, opts: OfflineOptions,
                                        concurrency=min(opts.read_concurrency, len(pending)),
                                        override_num_blocks=len(pending))
     mapper, kwargs, cpus, gpus = _worker(opts, spec, route)
+    kwargs["item_type"] = plan.item_type
     return dataset.map_batches(mapper, fn_constructor_kwargs=kwargs, batch_size=opts.batch_size,
                                batch_format="pyarrow",
                                compute=ray.data.ActorPoolStrategy(size=opts.concurrency),

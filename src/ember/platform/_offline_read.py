@@ -1,7 +1,7 @@
 """Reading shards as a Ray Data datasource: one read task per shard, bad rows marked.
 
 Each read task parses its shard's records and emits blocks in ``ROW_SCHEMA``: a good row
-carries its item (pickled, ready for the handler), a bad row its reason and message. Bad
+carries its item (as JSON, ready for the handler), a bad row its reason and message. Bad
 rows travel with the good ones so that every row of a shard comes back exactly once, which
 is how the driver knows a shard is complete.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import functools
 import json
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-igno
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from ember.platform._offline_mapping import ROW_SCHEMA, InputPlan
+from ember.platform._offline_mapping import ROW_SCHEMA, InputPlan, encode_item
 from ember.platform._offline_shards import Shard, iter_records
 
 _BLOCK_ROWS = 1024
@@ -80,7 +79,7 @@ def read_shard(shard: Shard, plan: InputPlan, limit: int, storage_options: dict[
             prepared = plan.prepare(row)
             reason, message = prepared.reason, prepared.message
             if reason is None:
-                item = pickle.dumps(prepared.item, protocol=5)
+                item = encode_item(prepared.item)
         row_id = plan.row_id(row, row_index) if row is not None else str(row_index)
         for name, value in zip(ROW_SCHEMA.names,
                                (shard.index, row_index, row_id, reason, message, item, size),

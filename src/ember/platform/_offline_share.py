@@ -79,7 +79,8 @@ class OnlineMapper:
     """
 
     def __init__(self, app_name: str, deployment: str, attr: str, tensor: bool,
-                 share: ShareOptions, max_batch_bytes: int, max_batch: int) -> None:
+                 share: ShareOptions, max_batch_bytes: int, max_batch: int,
+                 item_type: Any = Any) -> None:
         from ray import serve
 
         self._handle = serve.get_deployment_handle(deployment, app_name=app_name)
@@ -90,10 +91,11 @@ class OnlineMapper:
         self.throttle = Throttle(share)
         self._polled_at = -float("inf")
         self._max_batch = max_batch
+        self._item_type = item_type
         self._runner = BatchRunner(self._send, max_batch_bytes, (deployment, attr))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return map_table(batch, self)
+        return map_table(batch, self, self._item_type)
 
     def run(self, items: list[Any], sizes: list[int]) -> list[Outcome]:
         """Outcomes of ``items``, sent in throttled slices."""

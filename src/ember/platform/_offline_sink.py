@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import posixpath
 import uuid
 from collections.abc import Callable, Iterable
@@ -233,7 +232,7 @@ class ShardAssembler:
         bad: list[dict[str, Any]] = []
         for row_index, (row_id, reason, message, result) in sorted(rows.items()):
             if reason is None and result is not None:
-                good.append({"id": row_id, "row_index": row_index, **pickle.loads(result)})
+                good.append({"id": row_id, "row_index": row_index, **json.loads(result)})
             else:
                 bad.append({"id": row_id, "row_index": row_index, "reason": reason,
                             "message": message})
