@@ -28,6 +28,10 @@ same model, built by the same code (``find_model_files``, ``Tokenizer``, ``build
 runs as a subprocess of this script (``--litserve-port``), is started beside Ray and is
 killed by PID at the end. Ray Serve and LitServe both log at WARNING without access logs.
 
+0. The model alone (with the throughput part, before any server starts): CPU time per text
+   of MiniLM's forward in this process, one torch thread, at b = 1, 4, 16, 64. Their ratio
+   t(1)/t(64) is the most batching can buy on this CPU with zero serving cost, so it bounds
+   the batched/unbatched target from above.
 1. Cost curve t(b) = o/b + c. For b = 1, 2, 4 ... 512, requests each carrying b items are
    sent one after another (``--sweep-warmup`` untimed, then ``--sweep-reps`` timed; T(b) is
    their median). t(b) = T(b)/b. o and c are fitted by least squares on t(b) against 1/b
@@ -59,6 +63,7 @@ figures on a shared 2-core machine move from run to run; the ratios are the poin
 
 Usage:
     .venv/bin/python bench/batching_bench.py [--duration-s 10] [--rounds 2] [--deadline-s 1200]
+        [--only sweep throughput hops]
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ MODEL_CPUS = 0.25  # Ray accounting per MiniLM replica; compute is torch's one t
 STAGE_CPUS = 0.1  # tokenize and pool stages
 MLP_SIZES = tuple(2**i for i in range(10))  # 1 .. 512
 CONCURRENCY = (1, 32)
+PARTS = ("sweep", "throughput", "hops")
 LIT_MAX_BATCH = 64
 LIT_BATCH_TIMEOUT_S = 0.005
 SWEEP_STEP_CAP_S = 60.0
@@ -694,6 +700,50 @@ def run_hops(targets: list[LoadTarget], args: argparse.Namespace,
     return latencies
 
 
+# --- 0. the model alone ---------------------------------------------------------------------
+
+
+def model_ceiling(batch_sizes: tuple[int, ...] = (1, 4, 16, 64)) -> dict[str, Any]:
+    """CPU time per text of MiniLM's forward alone (this process, one torch thread).
+
+    No server is involved: this is what batching can save at most on this CPU. With zero
+    serving cost, batched / unbatched throughput is at most t(1) / t(64) when each forward
+    gets the same cores; the bench's batched replica runs one forward at a time on one torch
+    thread while the unbatched one runs several at once, so there the bound is
+    t(1) / (t(64) * cores).
+    """
+    torch.set_num_threads(1)
+    files = find_model_files()
+    model = build_model(load_file(str(files.weights), device="cpu"),
+                        MiniLMConfig.from_file(files.config))
+    tokenizer = Tokenizer(files.tokenizer)
+    per_item_ms: dict[str, float] = {}
+    for b in batch_sizes:
+        embed(model, tokenizer, TEXTS[:b], batch_size=64)  # untimed: first call allocates
+        reps = max(4, 256 // b)
+        started = time.process_time()
+        for i in range(reps):
+            first = (i * b) % (len(TEXTS) - b)
+            embed(model, tokenizer, TEXTS[first:first + b], batch_size=64)
+        per_item_ms[str(b)] = (time.process_time() - started) / (reps * b) * 1000.0
+    gain = per_item_ms[str(batch_sizes[0])] / per_item_ms[str(batch_sizes[-1])]
+    cores = os.cpu_count() or 1
+    return {"per_item_cpu_ms": per_item_ms, "batching_gain": gain, "cores": cores,
+            "bound_batched_over_unbatched_same_cores": gain,
+            "bound_batched_over_unbatched_bench_layout": gain / cores}
+
+
+def print_ceiling(ceiling: dict[str, Any]) -> None:
+    print("\nMiniLM forward alone (no server, one torch thread): CPU ms per text")
+    per_item = ceiling["per_item_cpu_ms"]
+    print_rows([["batch", *per_item], ["ms/text", *(fmt(v) for v in per_item.values())]])
+    print(f"batching gain t(1)/t(64) = {ceiling['batching_gain']:.2f}x: the most batched / "
+          f"unbatched throughput can reach with zero serving cost on this CPU; "
+          f"{ceiling['bound_batched_over_unbatched_bench_layout']:.2f}x in this bench's "
+          f"layout (one batched forward at a time vs unbatched forwards on "
+          f"{ceiling['cores']} cores)")
+
+
 # --- same model everywhere ------------------------------------------------------------------
 
 
@@ -845,6 +895,7 @@ def print_hops(hops: dict[str, Any]) -> None:
 
 @dataclass
 class Report:
+    ceiling: dict[str, Any] = field(default_factory=dict)
     sweeps: list[Sweep] = field(default_factory=list)
     throughput: dict[str, dict[str, Any]] = field(default_factory=dict)
     hops: dict[str, Any] = field(default_factory=dict)
@@ -874,6 +925,9 @@ def free_port() -> int:
 
 def run_all(args: argparse.Namespace, deadline: Deadline, report: Report,
             lit: LitServeProcess) -> None:
+    if "throughput" in args.only:  # measured before any server starts, on a quiet host
+        section("model ceiling", report,
+                lambda: report.ceiling.update(model_ceiling()))
     base_url = start_ember(args.port or free_port())
     print(f"Ember at {base_url}, LitServe at {lit.url}; waiting for replicas", flush=True)
     wait_http(base_url + "/healthz", deadline)
@@ -900,6 +954,8 @@ def run_all(args: argparse.Namespace, deadline: Deadline, report: Report,
          minilm_sizes, minilm_body, check_minilm, SWEEP_STEP_CAP_S),
     ]
     for sweep, sizes, make, check, cap in sweeps:
+        if "sweep" not in args.only:
+            break
         report.sweeps.append(sweep)
         section(f"sweep {sweep.label}", report,
                 functools.partial(run_sweep, sweep, sizes, make, check, args, deadline, cap))
@@ -918,7 +974,8 @@ def run_all(args: argparse.Namespace, deadline: Deadline, report: Report,
         report.throughput = {k: {str(c): r.summary() for c, r in per.items()}
                              for k, per in results.items()}
 
-    section("throughput", report, throughput)
+    if "throughput" in args.only:
+        section("throughput", report, throughput)
 
     hop_targets = [
         LoadTarget("Ember pipeline, 3 stages", "pipeline", base_url + "/embed-pipeline",
@@ -932,7 +989,8 @@ def run_all(args: argparse.Namespace, deadline: Deadline, report: Report,
         print("pipeline hops", flush=True)
         report.hops = hop_summary(hop_targets, run_hops(hop_targets, args, deadline))
 
-    section("pipeline hops", report, hops)
+    if "hops" in args.only:
+        section("pipeline hops", report, hops)
 
 
 def write_json(args: argparse.Namespace, report: Report, ratio_rows: list[dict[str, Any]],
@@ -963,6 +1021,7 @@ def write_json(args: argparse.Namespace, report: Report, ratio_rows: list[dict[s
                  "load_avg_at_end": list(os.getloadavg())},
         "same_model_max_abs_diff_vs_embed": report.same_model,
         "litserve_idle_cpu_percent": report.litserve_idle_cpu_percent,
+        "model_ceiling": report.ceiling,
         "cost_curves": [asdict(s) for s in report.sweeps],
         "throughput": report.throughput,
         "ratios": ratio_rows,
@@ -987,6 +1046,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hop-requests", type=int, default=100,
                         help="sequential requests per server and hop round")
     parser.add_argument("--hop-rounds", type=int, default=3, help="hop rounds")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="run only these parts (default: all)")
     parser.add_argument("--litserve-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     positive = ("deadline_s", "sweep_reps", "minilm_max_batch", "duration_s", "rounds",
@@ -1032,6 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = [LoadTarget("Ember batched", "batched", "", ember_text_body),
                LoadTarget("Ember unbatched", "unbatched", "", ember_text_body),
                LoadTarget("LitServe batched", "litserve", "", lit_text_body)]
+    if report.ceiling:
+        print_ceiling(report.ceiling)
     if report.throughput:
         print_throughput(targets, report.throughput, ratio_rows)
     if report.hops:

@@ -91,3 +91,29 @@ def test_handler_returning_wrong_count_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="returned 1 results for 2 inputs"):
         asyncio.run(main())
+
+
+def test_max_concurrent_lets_batches_overlap() -> None:
+    """With max_concurrent=2 a second batch starts while the first is still running."""
+    running = 0
+    peak = 0
+
+    async def slow(batch: Any) -> Any:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        return batch
+
+    async def main(concurrent: int) -> int:
+        nonlocal peak
+        peak = 0
+        submit = make_batcher(slow, Batch(max_size=2, max_wait_ms=1, max_concurrent=concurrent),
+                              LIST_CODEC)
+        outs = await asyncio.gather(*(submit([i, i]) for i in range(4)))
+        assert outs == [[i, i] for i in range(4)]
+        return peak
+
+    assert asyncio.run(main(1)) == 1
+    assert asyncio.run(main(2)) == 2

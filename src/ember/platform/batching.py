@@ -38,6 +38,11 @@ class Batch(BaseModel):
     max_wait_ms: NonNegativeFloat = Field(
         default=5.0, description="How long a partial batch waits for more items."
     )
+    max_concurrent: PositiveInt = Field(
+        default=1,
+        description="Batches in flight at once. Sync handlers run each in a worker thread, so "
+        "above 1 a CPU model can use more cores, or host work can overlap an accelerator's.",
+    )
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ def make_batcher(run: BatchFn, batch: Batch, codec: Codec) -> Callable[[Any], Aw
 
     batched = serve.batch(max_batch_size=batch.max_size,
                           batch_wait_timeout_s=batch.max_wait_ms / 1000.0,
+                          max_concurrent_batches=batch.max_concurrent,
                           batch_size_fn=lambda parts: sum(len(p) for p in parts))(run_parts)
 
     async def submit_one(part: Any) -> Any:
