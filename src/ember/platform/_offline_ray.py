@@ -19,6 +19,7 @@ from ember.platform._offline_read import ShardSource
 from ember.platform._offline_shards import Shard
 from ember.platform._offline_share import OnlineMapper, online_app
 from ember.platform.decorator import DeploymentSpec, RouteSpec
+from ember.platform.runtime import SYNC_HANDLE_ENV
 
 #: CPUs of a worker that only forwards batches to online replicas.
 _SHARE_WORKER_CPUS = 0.1
@@ -45,10 +46,14 @@ def build_dataset(pending: list[Shard], plan: InputPlan, opts: OfflineOptions,
                                        override_num_blocks=len(pending))
     mapper, kwargs, cpus, gpus = _worker(opts, spec, route)
     kwargs["item_type"] = plan.item_type
+    # Share-mode workers call the online deployment's handle from sync code, which needs the
+    # handle's router in a loop of its own whatever the cluster's default.
+    extra = {"runtime_env": {"env_vars": SYNC_HANDLE_ENV}} if opts.share is not None else {}
     return dataset.map_batches(mapper, fn_constructor_kwargs=kwargs, batch_size=opts.batch_size,
                                batch_format="pyarrow",
                                compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
-                               num_cpus=cpus, num_gpus=gpus or None, zero_copy_batch=True)
+                               num_cpus=cpus, num_gpus=gpus or None, zero_copy_batch=True,
+                               **extra)
 
 
 def _worker(opts: OfflineOptions, spec: DeploymentSpec,

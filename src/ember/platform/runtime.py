@@ -32,7 +32,7 @@ DEFAULT_PORT = 8000
 
 #: Ray Serve's in-process throughput settings (part of its ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
 #: mode), set for the clusters Ember starts. Measured on 2 cores with MiniLM at concurrency 32
-#: (``bench/batching_bench.py``): about 30% more requests per second, because each request
+#: (``bench/batching_bench.py``): 10-30% more requests per second, because each request
 #: costs less CPU in Serve's proxy, the ingress and the replicas. Ember's replica methods are
 #: async and run sync user code in worker threads, so user code may share the replica's event
 #: loop. The rest of that mode (direct ingress, HAProxy) is left off: HAProxy listens on every
@@ -40,16 +40,20 @@ DEFAULT_PORT = 8000
 #: Values already in the environment win; on an existing cluster set them where ``ray start``
 #: runs.
 THROUGHPUT_SETTINGS = {
-    # User code shares the replica's event loop instead of running in a thread of its own
-    # (no cross-thread hand-off per request). The handle's router keeps its own loop: with it
-    # in the caller's loop, a handle used from sync code (an offline worker in share mode)
-    # fails with "No event loop running".
+    # User code and the handles' routers share the replica's event loop instead of each
+    # running in a thread of its own (no cross-thread hand-offs per request). A handle used
+    # from sync code then needs its router back in a loop of its own: offline workers in share
+    # mode set SYNC_HANDLE_ENV (below).
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     # Proxy and handles talk to replicas over direct gRPC, not through the object store.
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     # Objects alive after a replica's constructor are never scanned by the GC again.
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
 }
+
+#: Environment of a Ray worker that calls deployment handles from sync code.
+SYNC_HANDLE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
 def default_port() -> int:
