@@ -28,8 +28,8 @@ class UnsafeFormat(WeightsError):
 
     template: ClassVar[str] = (
         "{name} is a pickle-based checkpoint and is never loaded; convert it to safetensors "
-        "(e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), "
-        "'model.safetensors')) and point the URL at the .safetensors file"
+        "once, in a trusted environment outside Ember, and point the URL at the "
+        ".safetensors file"
     )
 
 
