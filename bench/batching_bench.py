@@ -729,7 +729,6 @@ def model_ceiling(batch_sizes: tuple[int, ...] = (1, 4, 16, 64)) -> dict[str, An
     gain = per_item_ms[str(batch_sizes[0])] / per_item_ms[str(batch_sizes[-1])]
     cores = os.cpu_count() or 1
     return {"per_item_cpu_ms": per_item_ms, "batching_gain": gain, "cores": cores,
-            "bound_batched_over_unbatched_same_cores": gain,
             "bound_batched_over_unbatched_bench_layout": gain / cores}
 
 
