@@ -93,8 +93,8 @@ from ember.deployments._minilm import (
     find_model_files,
 )
 from ember.deployments.embeddings import DIMENSIONS, Embedding, MiniLM, weights_url
+from ember.platform.control.pool import POOL_DEPLOYMENT
 from ember.platform.decorator import get_spec
-from ember.platform.pool import POOL_DEPLOYMENT
 from ember.platform.runtime import build_application, start_ray
 
 ROOT = Path(__file__).resolve().parents[1]

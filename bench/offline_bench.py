@@ -11,7 +11,7 @@ embeds the same synthetic corpus three ways on this machine:
   and so flatters the online side.
 * ``handler batched`` (reference): the same, on batches of ``--batch-size``: the model's
   own batched throughput per replica here.
-* ``offline job``: ``ember.platform.offline.run_batch`` over a JSONL file with
+* ``offline job``: ``ember.offline.run_batch`` over a JSONL file with
   ``--concurrency`` Ray Data workers (default: as many as the machine's CPUs hold at the
   deployment's ``num_cpus``), Parquet output. Its items/s is rows over the whole job's wall
   time, worker start-up and model load included: what a job costs. The row below it leaves
@@ -98,7 +98,7 @@ def _handler(target: str, deployment: str | None, attr: str | None) -> Callable[
     """The batch handler of a fresh instance, set up (and warmed up) as a replica would be."""
     import torch
 
-    from ember.platform.offline import resolve_target
+    from ember.offline._job import resolve_target
 
     resolved = resolve_target(target, deployment, attr)
     # A replica's threads are its CPUs (Ray sets OMP_NUM_THREADS so); more threads than
@@ -147,7 +147,7 @@ def measure_batched(fn: Callable[[list[str]], Any], texts: list[str],
 def measure_offline(args: argparse.Namespace, texts: list[str],
                     workdir: Path) -> tuple[Measure, Measure]:
     """The offline job over a JSONL file of ``texts``: whole job, and without start-up."""
-    from ember.platform.offline import run_batch
+    from ember.offline._job import run_batch
 
     source = workdir / "corpus.jsonl"
     source.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
@@ -167,7 +167,7 @@ def measure_offline(args: argparse.Namespace, texts: list[str],
 
 
 def _default_concurrency(args: argparse.Namespace) -> int:
-    from ember.platform.offline import resolve_target
+    from ember.offline._job import resolve_target
 
     cpus = resolve_target(args.target, args.deployment, args.attr).spec.options.num_cpus
     return max(1, int((os.cpu_count() or 1) // cpus)) if cpus > 0 else 1
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = args.concurrency or _default_concurrency(args)
     fn = _handler(args.target, args.deployment, args.attr)
     if args.online_url:
-        from ember.platform.offline import resolve_target
+        from ember.offline._job import resolve_target
 
         route = resolve_target(args.target, args.deployment, args.attr).route.path
         online = measure_online_http(args.online_url.rstrip("/"), route, online_texts, args)

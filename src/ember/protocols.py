@@ -9,9 +9,9 @@ Example:
 
 from __future__ import annotations
 
-from ember.platform.protocols import Gateway, Protocol
-from ember.platform.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
-from ember.platform.protocols.openai import OpenAIEmbeddings
+from ember.platform.http.protocols import Gateway, Protocol
+from ember.platform.http.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
+from ember.platform.http.protocols.openai import OpenAIEmbeddings
 
 __all__ = [
     "Gateway",

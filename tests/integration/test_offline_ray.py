@@ -33,12 +33,12 @@ pytest.importorskip("pandas", reason="Ray Data needs pandas")
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ember.platform._offline_cli import main as batch_main
-from ember.platform._offline_mapping import encode_result, plan_inputs
-from ember.platform._offline_read import read_shard
-from ember.platform._offline_shards import discover, plan
-from ember.platform._offline_sink import OutputStore, ShardAssembler, done_shards
-from ember.platform.offline import ShareOptions, resolve_target, run_batch
+from ember.cli.batch import main as batch_main
+from ember.offline import ShareOptions, resolve_target, run_batch
+from ember.offline._mapping import encode_result, plan_inputs
+from ember.offline._reader import read_shard
+from ember.offline._shards import discover, plan
+from ember.offline._sink import OutputStore, ShardAssembler, done_shards
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +199,7 @@ def test_resume_after_the_driver_is_killed(ray_cluster: None, tmp_path: Path) ->
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    cmd = [sys.executable, "-m", "ember.platform._offline_cli", "batch",
+    cmd = [sys.executable, "-m", "ember.cli.batch", "batch",
            "test_offline_ray:app:Lengths", "--attr", "slow", "-i", str(src), "-o", str(out),
            "--shard-rows", str(rows_per_shard), "--batch-size", "5", "--no-progress"]
     log = (tmp_path / "driver.log").open("w")

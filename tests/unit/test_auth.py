@@ -18,10 +18,10 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from ember.errors import ConfigError
-from ember.platform._auth import ApiKeys, AuthMiddleware, Unauthorized, bearer_token, key_id
-from ember.platform._http import GuardMiddleware
-from ember.platform._json import ContentEncodingMiddleware, HeaderLimitMiddleware
-from ember.platform._ratelimit import RateLimitMiddleware
+from ember.platform.http._asgi import GuardMiddleware
+from ember.platform.http._strict_json import ContentEncodingMiddleware, HeaderLimitMiddleware
+from ember.platform.http.auth import ApiKeys, AuthMiddleware, Unauthorized, bearer_token, key_id
+from ember.platform.http.ratelimit import RateLimitMiddleware
 
 KEY = "ek-live-7f3a9c2e5b8d4f1a6c0e9b2d"
 OTHER_KEY = "ek-live-0b1c2d3e4f5a6b7c8d9e0f1a"

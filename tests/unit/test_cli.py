@@ -8,9 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ember.cli import build_parser, main
+from ember.cli.serve import render_status
 from ember.errors import ConfigError
 from ember.loaders import LoaderConfig, list_snapshots, load
-from ember.platform.cli import build_parser, load_app, main, render_status
+from ember.platform.targets import load_app
 
 
 def test_every_subcommand_is_registered() -> None:

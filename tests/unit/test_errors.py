@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
 from ember import errors
-from ember.platform._http import GuardMiddleware, install_error_handlers
+from ember.platform.http._asgi import GuardMiddleware, install_error_handlers
 
 
 def test_errors_carry_status_and_keyword_messages() -> None:

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ember.platform import floors
-from ember.platform._ray_policy import EmberAutoscalingPolicy
-from ember.platform.cli import plan_rows
+from ember.cli.serve import plan_rows
+from ember.platform.control import floors
+from ember.platform.control.ray_policy import EmberAutoscalingPolicy
 
 UTC = UTC
 

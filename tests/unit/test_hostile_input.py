@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Message, Scope
 
 from ember.errors import ConfigError, MalformedJSON
-from ember.platform._json import (
+from ember.platform.http._strict_json import (
     ContentEncodingMiddleware,
     HeaderLimitMiddleware,
     HeadersTooLarge,

@@ -14,9 +14,10 @@ import pytest
 from pydantic import BaseModel
 
 import ember
+from ember import errors as ember_errors
 from ember.errors import ConfigError
-from ember.platform._offline_config import OfflineOptions, ShareOptions
-from ember.platform._offline_policy import (
+from ember.offline._config import OfflineOptions, ShareOptions
+from ember.offline._policy import (
     Throttle,
     YieldContext,
     offline_batch_size,
@@ -32,8 +33,10 @@ if HAS_ARROW:
     import pyarrow.parquet as pq
     import torch
 
-    from ember.platform import _offline_cli, offline
-    from ember.platform._offline_mapping import (
+    from ember import offline
+    from ember.cli import batch as _offline_cli
+    from ember.offline import _job
+    from ember.offline._mapping import (
         ROW_SCHEMA,
         BatchRunner,
         LocalMapper,
@@ -42,10 +45,10 @@ if HAS_ARROW:
         flatten,
         plan_inputs,
     )
-    from ember.platform._offline_read import read_shard
-    from ember.platform._offline_shards import discover, iter_records, plan
-    from ember.platform._offline_share import online_depth
-    from ember.platform._offline_sink import OutputStore, ShardAssembler, done_shards
+    from ember.offline._reader import read_shard
+    from ember.offline._shards import discover, iter_records, plan
+    from ember.offline._share import online_depth
+    from ember.offline._sink import OutputStore, ShardAssembler, done_shards
 
 
 # --- policy: pure functions and a fake clock -------------------------------------------------
@@ -189,9 +192,9 @@ def test_plan_cuts_deterministic_shards_and_reads_them_back(tmp_path: Path) -> N
 @needs_arrow
 def test_discover_reports_missing_and_unknown_inputs(tmp_path: Path) -> None:
     (tmp_path / "data.txt").write_text("x")
-    with pytest.raises(offline.InputError, match="no such file"):
+    with pytest.raises(ember_errors.InputError, match="no such file"):
         discover([str(tmp_path / "nope.jsonl")], None, {})
-    with pytest.raises(offline.InputError, match="unknown format"):
+    with pytest.raises(ember_errors.InputError, match="unknown format"):
         discover([str(tmp_path / "data.txt")], None, {})
 
 
@@ -246,7 +249,7 @@ def test_flatten_outputs() -> None:
     assert list(flatten(torch.ones(2))["embedding"]) == [1.0, 1.0]
     assert flatten(torch.tensor(4.0)) == {"output": 4.0}
     assert flatten("x") == {"output": "x"}
-    with pytest.raises(offline.OfflineError, match="collide"):
+    with pytest.raises(ember_errors.OfflineError, match="collide"):
         flatten({"id": 1})
 
 
@@ -291,7 +294,7 @@ def test_batch_runner_isolates_bad_items_and_learns_memory_limits() -> None:
 @needs_arrow
 def test_batch_runner_refuses_a_wrong_result_count() -> None:
     runner = BatchRunner(lambda items: items[:-1], 1000, ("Emb", "embed"))
-    with pytest.raises(offline.HandlerContract, match=r"Emb\.embed returned 1 results for 2"):
+    with pytest.raises(ember_errors.HandlerContract, match=r"Emb\.embed returned 1 results for 2"):
         runner.run([1, 2], [1, 1])
 
 
@@ -346,7 +349,7 @@ def test_shards_commit_once_complete_and_count_duplicates_once(tmp_path: Path) -
                                                                "output": 2}]
     errors = (tmp_path / "out" / "errors" / "part-00000.jsonl").read_text()
     assert json.loads(errors)["reason"] == "too_large"
-    with pytest.raises(offline.ShardIncomplete, match="shard 1 returned 1 of 2 rows"):
+    with pytest.raises(ember_errors.ShardIncomplete, match="shard 1 returned 1 of 2 rows"):
         assembler.finish()
     assert not [p for p in (tmp_path / "out").rglob("*") if ".tmp-" in p.name]
 
@@ -367,7 +370,7 @@ def test_an_all_bad_shard_is_typed_like_the_others(tmp_path: Path) -> None:
 def test_an_output_inside_the_input_is_not_read(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     pq.write_table(pa.table({"text": ["old"]}), tmp_path / "out" / "part-00000.parquet")
-    with pytest.raises(offline.InputError, match="outside the output"):
+    with pytest.raises(ember_errors.InputError, match="outside the output"):
         offline.run_batch(ember.deployment(ListOfStr), input=str(tmp_path),
                           output=str(tmp_path / "out"))
 
@@ -389,14 +392,14 @@ def test_an_existing_job_needs_resume_and_the_same_options(tmp_path: Path) -> No
     store = OutputStore(str(out), {})
     target = offline.resolve_target(cls)
     opts = OfflineOptions()
-    key = offline._job_key(target, plan_inputs(target.route, None, "id"), opts)
+    key = _job._job_key(target, plan_inputs(target.route, None, "id"), opts)
     store.write_manifest(plan(discover([str(src)], None, {}), 10, 100, {}, key))
-    with pytest.raises(offline.OutputExists):
+    with pytest.raises(ember_errors.OutputExists):
         offline.run_batch(cls, input=str(src), output=str(out))
-    with pytest.raises(offline.ResumeMismatch, match="shard_rows was 5000 and is now 7"):
+    with pytest.raises(ember_errors.ResumeMismatch, match="shard_rows was 5000 and is now 7"):
         offline.run_batch(cls, input=str(src), output=str(out), resume=True, shard_rows=7)
     src.write_text('{"text": "changed"}\n')
-    with pytest.raises(offline.ResumeMismatch, match="inputs"):
+    with pytest.raises(ember_errors.ResumeMismatch, match="inputs"):
         offline.run_batch(cls, input=str(src), output=str(out), resume=True)
 
 
@@ -419,7 +422,7 @@ def test_resolve_target_explains_what_to_pick() -> None:
     with pytest.raises(ConfigError, match=r"several batch handlers \(\['a', 'b'\]\)"):
         offline.resolve_target(two)
     assert offline.resolve_target(two, attr="b").route.attr == "b"
-    with pytest.raises(offline.NoBatchHandler):
+    with pytest.raises(ember_errors.NoBatchHandler):
         offline.resolve_target(plain)
     app = ember.App([two, plain])
     assert offline.resolve_target(app, attr="a").spec.name == "Two"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ember.platform.policy import PolicyContext, clamp, decide, demand
+from ember.platform.control.policy import PolicyContext, clamp, decide, demand
 
 
 @dataclass

@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from starlette.responses import JSONResponse
 
 from ember.errors import ConfigError
-from ember.platform._auth import ApiKeys, AuthMiddleware
-from ember.platform._ratelimit import (
+from ember.platform.http.auth import ApiKeys, AuthMiddleware
+from ember.platform.http.ratelimit import (
     RateLimited,
     RateLimiter,
     RateLimitMiddleware,

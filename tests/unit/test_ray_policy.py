@@ -12,9 +12,9 @@ from ray.serve import autoscaling_policy as ray_policy
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from ember.platform import _ray_policy  # noqa: F401  (installs the cold-start hook)
-from ember.platform._ray_policy import EmberAutoscalingPolicy
 from ember.platform.config import DeploymentOptions, to_ray_options
+from ember.platform.control import ray_policy as _installs_hook  # noqa: F401  (installs the cold-start hook)
+from ember.platform.control.ray_policy import EmberAutoscalingPolicy
 
 
 def _context(config: AutoscalingConfig, *, running: int, target: int, total: float,

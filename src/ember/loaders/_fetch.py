@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from ember.errors import IntegrityError
 from ember.loaders._config import LoaderConfig
-from ember.loaders._errors import IntegrityError
 from ember.loaders._flight import FillTicket, claim
 from ember.loaders._header import Header, TensorSpec
 from ember.loaders._reader import Progress, StreamingReader

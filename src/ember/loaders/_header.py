@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ember.loaders._errors import HeaderInvalid, UnsafeFormat
+from ember.errors import HeaderInvalid, UnsafeFormat
 
 #: Element size in bytes of every dtype the loader accepts.
 DTYPE_SIZES: dict[str, int] = {

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ember.errors import EmberError
-from ember.loaders._errors import SourceError, rebuild_error
+from ember.errors import EmberError, SourceError
+from ember.loaders._error_records import rebuild_error
 
 T = TypeVar("T")
 _HOST = socket.gethostname()

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from ember.loaders._errors import UnsafePath
+from ember.errors import UnsafePath
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

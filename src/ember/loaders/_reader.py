@@ -16,8 +16,8 @@ import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ember.errors import IntegrityError, ShortRead
 from ember.loaders._config import LoaderConfig
-from ember.loaders._errors import IntegrityError, ShortRead
 from ember.loaders._header import PREFIX_BYTES, Header, TensorSpec, parse_header, parse_length
 from ember.loaders._source import ObjectInfo, WeightSource
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from ember.errors import HeaderInvalid, SourceError, UnsafeFormat, WeightsNotFound
 from ember.loaders._config import LoaderConfig
-from ember.loaders._errors import HeaderInvalid, SourceError, UnsafeFormat, WeightsNotFound
 from ember.loaders._paths import check_relative
 from ember.loaders._source import WeightSource
 

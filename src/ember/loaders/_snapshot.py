@@ -10,7 +10,7 @@ the streaming load, which writes a fresh one.
 
 A record holds no bytes of its own: blobs stay governed by the node cache's LRU, and
 dropping a record (``ember snapshot drop``, or the ``EMBER_SNAPSHOT_MAX_BYTES`` cap) only
-forgets it. Listing, dropping and preloading live in :mod:`ember.loaders._snapshot_cli`.
+forgets it. Listing, dropping and preloading live in :mod:`ember.loaders._snapshot_admin`.
 Errors::
 
     WeightsError (503)                      ember.errors
@@ -37,13 +37,19 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ember.errors import ConfigError, WeightsError
+from ember.errors import (
+    ConfigError,
+    HeaderInvalid,
+    IntegrityError,
+    SnapshotInvalid,
+    UnsafePath,
+    WeightsError,
+)
 from ember.loaders._config import LoaderConfig, as_config
-from ember.loaders._errors import HeaderInvalid, IntegrityError, UnsafePath
 from ember.loaders._lease import write_atomic
 from ember.loaders._paths import SHA256_HEX, check_relative, within
 
@@ -63,18 +69,6 @@ _FORMAT = 1
 _RECORD_CAP_BYTES = 16 << 20
 RECORD_NAME = re.compile(r"^[0-9a-f]{64}\.json$")
 _WARM_CHUNK_BYTES = 8 << 20
-
-
-class SnapshotError(WeightsError):
-    """A snapshot could not be used."""
-
-    template: ClassVar[str] = "snapshot {key}: {reason}"
-
-
-class SnapshotInvalid(SnapshotError):
-    """A snapshot record failed a check; the load falls back to the streaming path."""
-
-    template: ClassVar[str] = "snapshot {key} cannot be restored: {reason}"
 
 
 class SnapshotFile(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from ember.loaders._errors import ObjectChanged, ShortRead, SourceError
+from ember.errors import ObjectChanged, ShortRead, SourceError
 
 #: Largest non-weights file (a shard index) read whole.
 SMALL_FILE_CAP_BYTES = 16 << 20

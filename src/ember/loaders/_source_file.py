@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from ember.loaders._errors import ObjectChanged, ShortRead, WeightsNotFound
+from ember.errors import ObjectChanged, ShortRead, WeightsNotFound
 from ember.loaders._paths import check_relative
 from ember.loaders._source import ObjectInfo, WeightSource
 

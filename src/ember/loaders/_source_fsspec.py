@@ -8,7 +8,7 @@ from typing import Any
 import fsspec
 from fsspec.asyn import sync
 
-from ember.loaders._errors import ObjectChanged, ShortRead, SourceError, WeightsNotFound
+from ember.errors import ObjectChanged, ShortRead, SourceError, WeightsNotFound
 from ember.loaders._paths import check_relative, component
 from ember.loaders._source import ObjectInfo, WeightSource
 

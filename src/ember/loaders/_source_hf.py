@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.loaders._errors import UnsafePath, WeightsNotFound
+from ember.errors import UnsafePath, WeightsNotFound
 from ember.loaders._paths import SHA256_HEX, check_relative
 from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._source_file import FileSource, file_version

@@ -12,7 +12,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from ember.loaders._errors import (
+from ember.errors import (
     ObjectChanged,
     RangeNotSupported,
     ShortRead,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ember.loaders._errors import IntegrityError
+from ember.errors import IntegrityError
 from ember.loaders._header import PREFIX_BYTES, Header, TensorSpec, parse_header, parse_length
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {

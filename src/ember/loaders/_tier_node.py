@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ember.errors import CacheFull, IntegrityError, UnsafePath
 from ember.loaders._config import LoaderConfig
-from ember.loaders._errors import CacheFull, IntegrityError, UnsafePath
 from ember.loaders._lease import write_atomic
 from ember.loaders._paths import SHA256_HEX, check_relative, component, within
 from ember.loaders._tier import BlobKey, BlobRecord, CacheEntry, CacheTier

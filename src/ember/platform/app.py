@@ -9,8 +9,8 @@ from typing import Any
 from ember.errors import ConfigError
 from ember.platform.config import NAME_PATTERN
 from ember.platform.decorator import DeploymentSpec, RouteSpec, get_spec
+from ember.platform.http.protocols import Protocol
 from ember.platform.pipeline import PipelineSpec
-from ember.platform.protocols import Protocol
 
 
 class App:

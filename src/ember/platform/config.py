@@ -31,7 +31,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
 
 #: Import path Ray Serve's controller resolves for Ember-managed deployments.
-POLICY_IMPORT_PATH = "ember.platform._ray_policy:EmberAutoscalingPolicy"
+POLICY_IMPORT_PATH = "ember.platform.control.ray_policy:EmberAutoscalingPolicy"
 
 
 class DeploymentOptions(BaseModel):
@@ -111,7 +111,7 @@ class DeploymentOptions(BaseModel):
     @field_validator("warm_schedule")
     @classmethod
     def _check_schedule(cls, value: list[str]) -> list[str]:
-        from ember.platform.floors import parse_schedule
+        from ember.platform.control.floors import parse_schedule
 
         parse_schedule(value)
         return value

@@ -17,13 +17,13 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
 
-from ember.platform._auth import ApiKeys
-from ember.platform._ratelimit import RateLimiter
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
-from ember.platform.ingress import EmberIngress
-from ember.platform.pool import POOL_DEPLOYMENT, EmberPool
-from ember.platform.replica import replica_class
+from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
+from ember.platform.control.replica import replica_class
+from ember.platform.http.auth import ApiKeys
+from ember.platform.http.ingress import EmberIngress
+from ember.platform.http.ratelimit import RateLimiter
 
 logger = logging.getLogger("ember")
 

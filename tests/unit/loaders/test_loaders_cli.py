@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.cli.cache import register
 from ember.loaders import LoaderConfig, resolve
-from ember.loaders._cli import register
 
 Writer = Callable[[dict[str, torch.Tensor], str], Path]
 

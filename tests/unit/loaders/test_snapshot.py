@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ember.loaders._resolve as resolve_module
+from ember.cli.snapshot import register
 from ember.loaders import (
     LoaderConfig,
     SnapshotLoad,
@@ -22,7 +23,7 @@ from ember.loaders import (
     snapshot_key,
     snapshot_load,
 )
-from ember.loaders._snapshot_cli import register, resident_bytes
+from ember.loaders._snapshot_admin import resident_bytes
 
 Writer = Callable[[dict[str, torch.Tensor], str], Path]
 

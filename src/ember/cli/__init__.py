@@ -1,0 +1,36 @@
+"""The ``ember`` command line: one parser, each subcommand family in a module of its own.
+
+``serve`` (run, status, warm, plan), ``cache`` (warm, ls, verify, evict), ``snapshot`` (ls,
+drop) and ``batch`` (the offline shift). Each module exposes ``register(subparsers)``; every
+subcommand sets ``func(args) -> int``, the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ember.cli import batch, cache, serve, snapshot
+from ember.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ember`` parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="ember", description="Serverless model serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for family in (serve, cache, snapshot, batch):
+        family.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ember`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,175 @@
+"""``ember cache``: warm, list, verify and evict the node cache.
+
+The main ``ember`` command adds these with :func:`register`; every subcommand sets
+``func(args) -> int`` (the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ember.errors import EmberError, UnsafePath
+from ember.loaders._config import LoaderConfig
+from ember.loaders._tier import CacheEntry
+from ember.loaders._tier_node import NodeTier
+
+_KEY = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``cache`` command and its subcommands to ``subparsers``.
+
+    Args:
+        subparsers: the main parser's subcommand action.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="ember")
+        >>> register(parser.add_subparsers())
+        >>> args = parser.parse_args(["cache", "ls"])
+        >>> args.func.__name__
+        'cmd_ls'
+    """
+    cache = subparsers.add_parser("cache", help="manage the weights cache")
+    cache.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="node cache directory (default: EMBER_CACHE_DIR or ~/.cache/ember)",
+    )
+    sub = cache.add_subparsers(dest="cache_command", required=True)
+    warm = sub.add_parser("warm", help="prefetch a URL into the regional and node caches")
+    warm.add_argument("url")
+    warm.add_argument(
+        "--regional", default=None, help="regional cache URL (default: EMBER_REGIONAL_CACHE)"
+    )
+    warm.add_argument(
+        "--snapshot",
+        metavar="CODE_VERSION",
+        default=None,
+        help="also record this node's snapshot for a deployment's code version (e.g. the "
+        "flagship's ember.deployments.embeddings.CODE_VERSION), so replicas map it at once",
+    )
+    warm.set_defaults(func=cmd_warm)
+    sub.add_parser("ls", help="list cached blobs").set_defaults(func=cmd_ls)
+    verify = sub.add_parser("verify", help="re-hash every blob; remove corrupted ones")
+    verify.set_defaults(func=cmd_verify)
+    evict = sub.add_parser("evict", help="remove one blob (by sha256 prefix) or all")
+    which = evict.add_mutually_exclusive_group(required=True)
+    which.add_argument("--all", action="store_true", help="remove every blob")
+    which.add_argument("key", nargs="?", help="sha256 (or a unique prefix of >= 8 chars)")
+    evict.set_defaults(func=cmd_evict)
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> LoaderConfig:
+    return LoaderConfig(cache_dir=args.cache_dir, **extra)
+
+
+def _guard(args: argparse.Namespace, run: Any) -> int:
+    try:
+        code: int = run(args)
+    except EmberError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Fill the regional and node tiers for ``args.url`` with a progress bar."""
+    return _guard(args, _warm)
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from tqdm import tqdm  # no stubs; ships with huggingface-hub
+
+    from ember.loaders._api import resolve
+
+    extra = {"regional_cache": args.regional} if args.regional else {}
+    with tqdm(unit="B", unit_scale=True, desc="warm", file=sys.stderr) as bar:
+        state = {"done": 0}
+
+        def progress(done: int, total: int) -> None:
+            if done < state["done"]:  # the next file started
+                state["done"] = 0
+                bar.total = (bar.total or 0) + total
+            elif bar.total is None:
+                bar.total = total
+            bar.update(done - state["done"])
+            state["done"] = done
+
+        weights = resolve(args.url, config=_config(args, **extra), progress=progress)
+    for path in weights.paths:
+        print(path)
+    if args.snapshot is not None:
+        from ember.loaders._snapshot_admin import preload_snapshot
+
+        info = preload_snapshot(args.url, code_version=args.snapshot, config=_config(args))
+        print(f"snapshot {info.key[:12]} ({info.total_bytes} bytes) ready on this node")
+    return 0
+
+
+def _row(entry: CacheEntry) -> str:
+    used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used_s))
+    names = ",".join(entry.names) or "-"
+    return f"{entry.sha256[:12]}  {entry.size:>14}  {used}  {entry.namespace}  {names}"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Print one line per cached blob: key, bytes, last use, namespace, names."""
+
+    def run(a: argparse.Namespace) -> int:
+        entries = sorted(NodeTier(_config(a)).entries(), key=lambda e: -e.last_used_s)
+        for entry in entries:
+            print(_row(entry))
+        print(f"{len(entries)} blobs, {sum(e.size for e in entries)} bytes")
+        return 0
+
+    return _guard(args, run)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every blob; remove the ones that do not match (exit 1 if any)."""
+
+    def run(a: argparse.Namespace) -> int:
+        node = NodeTier(_config(a))
+        bad = 0
+        for entry in node.entries():
+            blob = node.root / entry.namespace / "blobs" / entry.sha256
+            digest = hashlib.sha256()
+            with open(blob, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != entry.sha256:
+                node.remove(entry.namespace, entry.sha256)
+                print(f"corrupted, removed: {entry.sha256[:12]} ({entry.namespace})")
+                bad += 1
+        print(f"{bad} corrupted blob(s) removed" if bad else "all blobs verified")
+        return 1 if bad else 0
+
+    return _guard(args, run)
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    """Remove every blob (``--all``) or the one whose sha256 starts with ``KEY``."""
+
+    def run(a: argparse.Namespace) -> int:
+        node = NodeTier(_config(a))
+        entries = node.entries()
+        if not a.all:
+            if not _KEY.match(a.key or ""):
+                raise UnsafePath(name=a.key, reason="expected a sha256 prefix of 8-64 hex chars")
+            entries = [e for e in entries if e.sha256.startswith(a.key)]
+            if len(entries) != 1:
+                print(f"{len(entries)} blobs match {a.key!r}; nothing removed", file=sys.stderr)
+                return 1
+        for entry in entries:
+            node.remove(entry.namespace, entry.sha256)
+        print(f"removed {len(entries)} blob(s)")
+        return 0
+
+    return _guard(args, run)

@@ -1,0 +1,164 @@
+"""``ember run``, ``status``, ``warm`` and ``plan``: serve an app and talk to a served one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from ember.platform.runtime import DEFAULT_HOST, default_port
+from ember.platform.targets import load_app
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ember.platform import runtime
+
+    app = load_app(args.target)
+    stop = threading.Event()
+    try:
+        url = runtime.serve_app(app, host=args.host, port=args.port)
+        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
+        example = (app.curl or "curl -s {url}/-/status").format(url=url)
+        print(f"Try: {example}", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+        stop.wait()
+        print("Shutting down...", flush=True)
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+def _get_status(url: str) -> dict[str, Any] | None:
+    try:
+        reply = httpx.get(f"{url.rstrip('/')}/-/status", timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"cannot reach Ember at {url}: {exc}", file=sys.stderr)
+        return None
+    if reply.status_code != 200:
+        print(f"Ember answered {reply.status_code}: {reply.text[:200]}", file=sys.stderr)
+        return None
+    return dict(reply.json())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _get_status(args.url)
+    if status is None:
+        return 2
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(render_status(status))
+    return 0
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cold_text(cold: dict[str, Any] | None) -> str:
+    if not cold:
+        return "-"
+    phases = " ".join(f"{k}={v * 1000:.0f}" for k, v in cold.get("phases", {}).items() if v)
+    text = f"{cold['total_s'] * 1000:.0f} ms via {cold['path']}"
+    return f"{text} ({phases})" if phases else text
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """A plain-text table of ``/-/status``, one row per deployment."""
+    rows = [("DEPLOYMENT", "RUNNING", "STARTING", "ONGOING", "QUEUED", "FLOOR",
+             "LAST COLD START (ms)")]
+    for d in status["deployments"]:
+        rows.append((d["deployment"], str(d["replicas_running"]), str(d["replicas_starting"]),
+                     str(d["ongoing"]), str(d["queued"]), str(d["floor"]),
+                     _cold_text(d.get("last_cold_start"))))
+    ready = "ready" if status.get("ready") else "not ready"
+    return f"app {status['app']} ({ready})\n" + _table(rows)
+
+
+def plan_rows(status: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per deployment: budget, measured cold start, verdict and the floor that would meet it."""
+    rows: list[tuple[str, ...]] = [("DEPLOYMENT", "BUDGET", "MEASURED", "VERDICT", "NEEDS")]
+    for d in status["deployments"]:
+        budget, cold = d.get("cold_start_budget_s"), d.get("last_cold_start")
+        measured = f"{cold['total_s']:.3f}s via {cold['path']}" if cold else "-"
+        if budget is None:
+            verdict, needs = "no budget", "-"
+        elif cold is None:
+            verdict, needs = "not measured yet", "send one request at zero replicas"
+        elif cold["total_s"] <= budget:
+            verdict, needs = "meets", f"warm_floor={d['floor']}"
+        else:
+            verdict = "misses"
+            needs = "warm_floor=1" if d["floor"] == 0 else f"warm_floor={d['floor'] + 1}"
+        rows.append((d["deployment"], "-" if budget is None else f"{budget:.3f}s", measured,
+                     verdict, needs))
+    return rows
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    status = _get_status(args.url)
+    if status is None:
+        return 2
+    rows = plan_rows(status)
+    print(_table(rows))
+    return 1 if any(r[3] == "misses" for r in rows[1:]) else 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    url = f"{args.url.rstrip('/')}/-/warm/{args.deployment}"
+    try:
+        if args.off:
+            reply = httpx.delete(url, timeout=30)
+        else:
+            reply = httpx.post(url, params={"for": args.duration, "floor": args.floor},
+                               timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if reply.status_code != 200:
+        print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
+        return 1
+    body = reply.json()
+    if args.off:
+        print(f"{args.deployment}: lease ended")
+    else:
+        print(f"{args.deployment}: floor {body['floor']} until "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(body['until_s']))}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``run``, ``status``, ``warm`` and ``plan`` to the main parser's subcommands."""
+    run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM")
+    run.add_argument("target", help="module:app or path/to/file.py:app")
+    run.add_argument("--host", default=DEFAULT_HOST)
+    run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
+    run.set_defaults(func=cmd_run)
+    url = os.environ.get("EMBER_URL", f"http://{DEFAULT_HOST}:{default_port()}")
+    status = sub.add_parser("status", help="replicas, load and cold starts per deployment")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--url", default=url)
+    status.set_defaults(func=cmd_status)
+    warm = sub.add_parser("warm", help="hold a warm floor for a while (a lease)")
+    warm.add_argument("deployment")
+    warm.add_argument("--for", dest="duration", default="10m", help="600, 90s, 10m, 2h, 1d")
+    warm.add_argument("--floor", type=int, default=1)
+    warm.add_argument("--off", action="store_true", help="end the lease now")
+    warm.add_argument("--url", default=url)
+    warm.set_defaults(func=cmd_warm)
+    plan = sub.add_parser("plan", help="does each deployment meet its cold-start budget?")
+    plan.add_argument("--url", default=url)
+    plan.set_defaults(func=cmd_plan)

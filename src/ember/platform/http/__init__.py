@@ -1,0 +1,1 @@
+"""The HTTP edge: ingress app, pure ASGI middleware, dispatch to replicas, protocols, metrics."""

@@ -1,0 +1,222 @@
+"""HTTP plumbing of the ingress: request ids, body limits, and error responses.
+
+``GuardMiddleware`` is a pure ASGI middleware (no Starlette ``BaseHTTPMiddleware``, which
+buffers and breaks streaming). It assigns a request id, and for requests with a body it
+reads at most ``limit + 1`` bytes before answering 413, whether or not the client sent
+Content-Length, so an oversized upload is refused without being read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ember.errors import (
+    EmberError,
+    InvalidBody,
+    MalformedJSON,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    StatusError,
+)
+
+logger = logging.getLogger("ember.ingress")
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+LimitLookup = Callable[[str], int]
+RejectHook = Callable[[str, str], None]
+
+
+async def send_error(err: EmberError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer with Ember's error shape from a middleware that runs before the guard's ids.
+
+    Uses the same request id the guard middleware would: Ray Serve's, else a well-formed
+    incoming ``X-Request-Id``, else a fresh one.
+    """
+    serve_id = _serve_request_id()
+    request_id = (scope.get("state", {}).get("request_id") or serve_id
+                  or _incoming_request_id(scope) or uuid.uuid4().hex)
+    response = error_response(err, str(request_id))
+    if serve_id is None:  # behind Ray Serve's proxy, it already sends X-Request-Id
+        response.headers["x-request-id"] = str(request_id)
+    await response(scope, receive, send)
+
+
+def request_id_of(request: Request) -> str:
+    """The id the guard middleware gave this request."""
+    return str(request.scope.get("state", {}).get("request_id", "-"))
+
+
+def error_body(err: EmberError, request_id: str, **extra: Any) -> dict[str, Any]:
+    """The JSON body of every Ember error response."""
+    # "message", "type", "param" and "code" are OpenAI's error fields, so OpenAI clients
+    # pointed at Ember raise their usual exceptions with Ember's message.
+    return {
+        "error": {
+            "message": str(err),
+            "type": type(err).__name__,
+            "param": extra.pop("param", None),
+            "code": err.status_code,
+            "status": err.status_code,
+            "request_id": request_id,
+            **extra,
+        }
+    }
+
+
+def error_response(err: EmberError, request_id: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(err, request_id, **extra), err.status_code, err.headers())
+
+
+class GuardMiddleware:
+    """Request ids and body-size limits, before any route code runs."""
+
+    def __init__(self, app: ASGIApp, *, limit_for: LimitLookup, on_reject: RejectHook) -> None:
+        self.app = app
+        self.limit_for = limit_for
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        serve_id = _serve_request_id()
+        request_id = serve_id or _incoming_request_id(scope) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        if serve_id is None:  # behind Ray Serve's proxy, it already sends X-Request-Id
+            send = _with_request_id(send, request_id)
+        if scope["method"] in _BODY_METHODS:
+            limit = self.limit_for(scope["path"])
+            body = await _read_limited(scope, receive, limit)
+            if body is None:
+                self.on_reject(scope["path"], "too_large")
+                err = PayloadTooLarge(limit=limit, path=scope["path"])
+                await error_response(err, request_id)(scope, receive, send)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+async def _read_limited(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it is known to exceed ``limit``."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    return None
+            except ValueError:
+                return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the client to disconnect
+
+    return replay
+
+
+def _serve_request_id() -> str | None:
+    """The id Ray Serve's proxy gave this request, when running inside a replica."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or None
+    except Exception:  # outside a Serve replica (unit tests), or a Ray without the context
+        return None
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER.encode():
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID_RE.match(text) else None
+    return None
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+            headers.append((b"x-request-id", request_id.encode()))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return wrapped
+
+
+def install_error_handlers(app: FastAPI, on_reject: RejectHook) -> None:
+    """Map every failure to Ember's error shape and the right status code."""
+
+    async def ember_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(cast(EmberError, exc), request_id_of(request))
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        return _validation_response(request, cast(RequestValidationError, exc), on_reject)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        status = cast(StarletteHTTPException, exc).status_code
+        err: EmberError
+        if status == 404:
+            err = NotFound(method=request.method, path=request.url.path)
+        elif status == 405:
+            err = MethodNotAllowed(method=request.method, path=request.url.path)
+        else:
+            err = StatusError(str(cast(StarletteHTTPException, exc).detail))
+            err.status_code = status  # type: ignore[misc]
+        return error_response(err, request_id_of(request))
+
+    app.add_exception_handler(EmberError, ember_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _validation_response(
+    request: Request, exc: RequestValidationError, on_reject: RejectHook
+) -> JSONResponse:
+    errors = exc.errors()
+    malformed = any(e.get("type") == "json_invalid" for e in errors)
+    fields = [
+        {"field": ".".join(str(p) for p in e.get("loc", ())), "message": str(e.get("msg", ""))}
+        for e in errors
+    ]
+    on_reject(request.url.path, "malformed_json" if malformed else "invalid_body")
+    summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:5])
+    err: EmberError = MalformedJSON(summary) if malformed else InvalidBody(summary)
+    fields = json.loads(json.dumps(fields, default=str))
+    body = error_body(err, request_id_of(request), fields=fields)
+    return JSONResponse(body, err.status_code)
+

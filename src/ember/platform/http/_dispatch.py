@@ -1,0 +1,244 @@
+"""Sending requests from the ingress to deployments, and mapping what comes back.
+
+Every outcome becomes an Ember error with its status: a full queue is ``QueueFull`` (503,
+at once), a missed deadline is ``RequestTimeout`` (504, and the replica's work is
+cancelled, in every stage of a pipeline), a handler's exception is ``UserCodeError`` (500,
+logged with its traceback and request id) unless the handler raised an Ember error on
+purpose, which passes through with its own status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from ember.errors import (
+    DeploymentUnavailable,
+    EmberError,
+    QueueFull,
+    RequestTimeout,
+    UserCodeError,
+)
+from ember.platform.config import DeploymentOptions
+from ember.platform.control import coldstart
+from ember.platform.control.coldstart import ColdStartReport, ReplicaTimeline
+from ember.platform.decorator import RouteSpec
+from ember.platform.http._state import LoadTracker
+
+logger = logging.getLogger("ember.ingress")
+
+#: A cold deployment is pinged at most this often while it has no running replica.
+_WAKE_EVERY_S = 5.0
+_TIMELINE_TIMEOUT_S = 2.0
+#: How often a waiting request checks whether its deployment failed to start.
+_FAILED_START_POLL_S = 0.5
+#: Ray Serve deployment states in which no replica will come without a redeploy.
+_FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
+
+
+@dataclass
+class Outcome:
+    """A handler's result, and how the cold start went if the request met one."""
+
+    value: Any
+    cold: ColdStartReport | None = None
+
+
+class Dispatcher:
+    """Calls deployments through their handles on behalf of the ingress."""
+
+    def __init__(
+        self,
+        handles: dict[str, DeploymentHandle[Any]],
+        options: dict[str, DeploymentOptions],
+        tracker: LoadTracker,
+        timeouts: dict[str, float] | None = None,
+        pool: DeploymentHandle[Any] | None = None,
+        pool_names: frozenset[str] = frozenset(),
+    ) -> None:
+        self._handles = handles
+        self._calls = {n: h.options(method_name="ember_call") for n, h in handles.items()}
+        self._options = options
+        self._timeouts = timeouts or {}
+        self._pool = pool.options(method_name="ember_call") if pool is not None else None
+        self._pool_names = pool_names
+        self._woken_at: dict[str, float] = {}
+        self.tracker = tracker
+
+    def timeout_for(self, route: RouteSpec) -> float:
+        return self._timeouts.get(route.path, self._options[route.deployment].request_timeout_s)
+
+    async def call(self, route: RouteSpec, body: Any, request_id: str) -> Outcome:
+        """Run ``route`` (a handler, or a pipeline's chain) and return its result.
+
+        Raises:
+            QueueFull: a deployment's queue is at ``max_queue``.
+            RequestTimeout: no answer within the timeout; the work is cancelled.
+            UserCodeError: the handler raised something that is not an ``EmberError``.
+        """
+        arrived = time.time()
+        chain = route.chain or ((route.deployment, route.attr),)
+        with self._tracking([name for name, _ in chain]) as cold:
+            if not route.chain and self._pool_can_serve(route.deployment):
+                return await self._via_pool(route, body, request_id, arrived)
+            self._wake_cold(chain[1:])
+            result = await self._send_chain(route, chain, body, request_id)
+        report = await self._replica_report(route.deployment, arrived) if cold else None
+        return Outcome(result, report)
+
+    async def _send_chain(self, route: RouteSpec, chain: tuple[tuple[str, str], ...],
+                          body: Any, request_id: str) -> Any:
+        """Send through every stage; retry once if a replica died under a plain request."""
+        retry = not route.chain and self._options[route.deployment].retry_on_replica_loss
+        while True:
+            responses: list[Any] = []
+            value: Any = body
+            for name, attr in chain:
+                value = self._calls[name].remote(attr, value)
+                responses.append(value)
+            try:
+                return await self._await(responses, route, request_id)
+            except DeploymentUnavailable as err:
+                if not (retry and err.fields.get("lost_replica")):
+                    raise
+                retry = False
+                logger.warning("request %s: replica of %s lost; retrying once", request_id,
+                               route.deployment)
+
+    def _pool_can_serve(self, name: str) -> bool:
+        return (self._pool is not None and name in self._pool_names
+                and self.tracker.loads[name].running == 0 and self.tracker.pool_running > 0)
+
+    async def _via_pool(self, route: RouteSpec, body: Any, request_id: str,
+                        arrived: float) -> Outcome:
+        """Serve from the warm pool while the deployment's own replica starts."""
+        if self._pool is None:  # _pool_can_serve said yes, so this cannot happen
+            raise RuntimeError("warm pool is not configured")
+        self._wake_cold(((route.deployment, route.attr),))
+        response = self._pool.remote(route.deployment, route.attr, body)
+        value, timeline = await self._await([response], route, request_id)
+        report = coldstart.report(arrived, time.time(), ReplicaTimeline(**timeline), "pool")
+        self.tracker.record_cold(route.deployment, report)
+        return Outcome(value, report)
+
+    async def _replica_report(self, name: str, arrived: float) -> ColdStartReport:
+        """Phases of a cold request served by the deployment's own (new) replica."""
+        answered = time.time()
+        timeline: ReplicaTimeline | None = None
+        try:
+            ping = self._handles[name].options(method_name="ember_ping").remote()
+            timeline = ReplicaTimeline(**await asyncio.wait_for(_resolve(ping),
+                                                                _TIMELINE_TIMEOUT_S))
+        except Exception:  # phases are best effort; the answer itself already succeeded
+            logger.debug("no replica timeline for %s", name, exc_info=True)
+        report = coldstart.report(arrived, answered, timeline, "replica")
+        self.tracker.record_cold(name, report)
+        return report
+
+    async def call_attr(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+        """Call one handler by name (used by protocol adapters)."""
+        route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
+                          attr=attr, input_model=None, output_model=None, is_async=True)
+        return (await self.call(route, body, request_id)).value
+
+    async def stream(self, route: RouteSpec, body: Any, request_id: str) -> AsyncIterator[Any]:
+        """Yield a streaming handler's chunks as they are produced."""
+        name = route.deployment
+        handle = self._handles[name].options(method_name="ember_stream", stream=True)
+        with self.tracker.track(name):
+            generator = cast(DeploymentResponseGenerator[Any], handle.remote(route.attr, body))
+            try:
+                async for chunk in generator:
+                    yield chunk
+            except Exception as exc:
+                raise self._map_error(exc, name, request_id) from None
+            finally:
+                generator.cancel()  # type: ignore[no-untyped-call]  # no-op once finished
+
+    async def _await(self, responses: list[Any], route: RouteSpec, request_id: str) -> Any:
+        timeout_s = self.timeout_for(route)
+        names = [name for name, _ in route.chain] or [route.deployment]
+        try:
+            return await asyncio.wait_for(self._watch(responses[-1], names), timeout_s)
+        except TimeoutError:
+            for response in responses:  # every stage: nothing keeps computing for no one
+                response.cancel()
+            raise RequestTimeout(deployment=route.deployment, timeout_s=timeout_s) from None
+        except DeploymentUnavailable:
+            for response in responses:
+                response.cancel()
+            raise
+        except Exception as exc:
+            raise self._map_error(exc, route.deployment, request_id) from None
+
+    async def _watch(self, response: Any, names: list[str]) -> Any:
+        """Await ``response``; give up with 503 if a deployment it waits for cannot start."""
+        task = asyncio.ensure_future(_resolve(response))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_FAILED_START_POLL_S)
+                if done:
+                    return task.result()
+                for name in names:
+                    load = self.tracker.loads[name]
+                    if load.running == 0 and load.status in _FAILED_STATUSES:
+                        raise DeploymentUnavailable(load.message or load.status,
+                                                    deployment=name)
+        finally:
+            task.cancel()
+
+    def _map_error(self, exc: BaseException, name: str, request_id: str) -> BaseException:
+        if isinstance(exc, EmberError):
+            return exc
+        if isinstance(exc, BackPressureError):
+            limit = self._options[name].max_queue
+            return QueueFull(deployment=name, queued=self.tracker.loads[name].queued, limit=limit)
+        if isinstance(exc, RayTaskError):
+            return _user_error(name, exc, request_id)
+        if isinstance(exc, RayActorError):  # the replica process died under this request
+            return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name,
+                                         lost_replica=True)
+        return exc
+
+    def _wake_cold(self, stages: tuple[tuple[str, str], ...]) -> None:
+        """Ping every stage that has no running replica, so all cold starts overlap.
+
+        The ping waits in the deployment's queue like any request, which is what makes Ray
+        Serve's controller start a replica; one ping per few seconds is enough.
+        """
+        now = time.monotonic()
+        for name, _ in stages:
+            if self.tracker.loads[name].running > 0:
+                continue
+            if now - self._woken_at.get(name, -_WAKE_EVERY_S) >= _WAKE_EVERY_S:
+                self._woken_at[name] = now
+                self._handles[name].options(method_name="ember_ping").remote()
+
+    @contextmanager
+    def _tracking(self, names: list[str]) -> Iterator[bool]:
+        """Count the request in flight at every stage; yields whether the first was cold."""
+        with ExitStack() as stack:
+            flags = [stack.enter_context(self.tracker.track(n)) for n in dict.fromkeys(names)]
+            yield flags[0]
+
+
+async def _resolve(response: Any) -> Any:
+    return await response
+
+
+def _user_error(deployment: str, exc: RayTaskError, request_id: str) -> EmberError:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, EmberError):  # user code may raise Ember errors on purpose
+        return cause
+    logger.error("request %s: %s raised\n%s", request_id, deployment, exc)
+    error_type = type(cause).__name__ if cause is not None else "Exception"
+    return UserCodeError(deployment=deployment, error_type=error_type, request_id=request_id)
