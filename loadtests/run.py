@@ -96,7 +96,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "EMBER_SCALEDOWN_AFTER_S": str(self.scaledown_s),
                "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "ember.cli.serve", "run", self.target,
+        cmd = [sys.executable, "-m", "ember.cli", "run", self.target,
                "--host", "127.0.0.1", "--port", str(port)]
         with self.log_path.open("wb") as log:
             # Own session: if SIGTERM is not enough, the SIGKILL reaches Ray's children too.

@@ -56,7 +56,7 @@ def test_replicas_killed_under_load_are_replaced_and_requests_succeed(tmp_path: 
     with server_log.open("wb") as log:
         # Own session: if SIGTERM is not enough, the SIGKILL reaches Ray's children too.
         server = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli.serve", "run", "loadtests/chaos_apps.py:app",
+            [sys.executable, "-m", "ember.cli", "run", "loadtests/chaos_apps.py:app",
              "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     report = tmp_path / "chaos_budgets.json"

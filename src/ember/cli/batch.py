@@ -10,10 +10,10 @@ that already holds a job without ``--resume`` included).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
+from ember import settings
 from ember.errors import ConfigError, EmberError, RequestError
 
 _EPILOG = """\
@@ -88,7 +88,7 @@ def _share(args: argparse.Namespace) -> dict[str, Any] | None:
     # The key comes from the environment: a command line is visible to every local user.
     share = {"url": args.share_with_online, "latency_budget_s": args.latency_budget_s,
              "max_online_depth": args.max_online_depth, "poll_interval_s": args.poll_interval_s,
-             "api_key": os.environ.get("EMBER_API_KEY") or None}
+             "api_key": _share_key()}
     return {k: v for k, v in share.items() if v is not None}
 
 
@@ -120,6 +120,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
           f" {report.rows_skipped} done before, {report.rows_failed} bad rows"
           + (" (see errors.jsonl)" if report.rows_failed else ""))
     return 0
+
+
+def _share_key() -> str | None:
+    """The key ``--share-with-online`` sends: ``EMBER_API_KEY``."""
+    key = settings.load().api_key
+    return key.get_secret_value() if key is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:

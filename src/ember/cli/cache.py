@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ember.errors import EmberError, UnsafePath
-from ember.loaders._config import LoaderConfig
-from ember.loaders._tier import CacheEntry
-from ember.loaders._tier_node import NodeTier
+from ember.loaders import CacheEntry, LoaderConfig, NodeTier, preload_snapshot, resolve
 
 _KEY = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -87,7 +85,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
 def _warm(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # no stubs; ships with huggingface-hub
 
-    from ember.loaders._api import resolve
 
     extra = {"regional_cache": args.regional} if args.regional else {}
     with tqdm(unit="B", unit_scale=True, desc="warm", file=sys.stderr) as bar:
@@ -106,7 +103,6 @@ def _warm(args: argparse.Namespace) -> int:
     for path in weights.paths:
         print(path)
     if args.snapshot is not None:
-        from ember.loaders._snapshot_admin import preload_snapshot
 
         info = preload_snapshot(args.url, code_version=args.snapshot, config=_config(args))
         print(f"snapshot {info.key[:12]} ({info.total_bytes} bytes) ready on this node")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from ember import settings
 from ember.platform.runtime import DEFAULT_HOST, default_port
 from ember.platform.targets import load_app
 
@@ -147,7 +147,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--host", default=DEFAULT_HOST)
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
     run.set_defaults(func=cmd_run)
-    url = os.environ.get("EMBER_URL", f"http://{DEFAULT_HOST}:{default_port()}")
+    url = settings.load().url or f"http://{DEFAULT_HOST}:{default_port()}"
     status = sub.add_parser("status", help="replicas, load and cold starts per deployment")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("--url", default=url)

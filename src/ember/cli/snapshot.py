@@ -15,8 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ember.errors import EmberError
-from ember.loaders import LoaderConfig, SnapshotInfo, drop_all, drop_snapshot, list_snapshots
-from ember.loaders._snapshot import max_snapshot_bytes_from_env
+from ember.loaders import (
+    LoaderConfig,
+    SnapshotInfo,
+    drop_all,
+    drop_snapshot,
+    list_snapshots,
+    max_snapshot_bytes_from_env,
+)
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 

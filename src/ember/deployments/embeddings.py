@@ -16,14 +16,13 @@ pool), each a deployment of its own.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
 import ember
-from ember import loaders
+from ember import loaders, settings
 from ember.deployments._minilm import (
     MiniLMConfig,
     MiniLMEncoder,
@@ -52,7 +51,7 @@ class Embedding(BaseModel):
 
 def weights_url() -> str:
     """``EMBER_MINILM_WEIGHTS``, or the safetensors file shipped by the model package."""
-    return os.environ.get("EMBER_MINILM_WEIGHTS") or find_model_files().weights.as_uri()
+    return settings.load().minilm_weights or find_model_files().weights.as_uri()
 
 
 def load_encoder(device: torch.device) -> MiniLMEncoder:
@@ -75,7 +74,7 @@ class MiniLM:
     """Tokenize, encode, mean-pool and normalise, in one replica."""
 
     def setup(self) -> None:
-        self.device = pick_device(os.environ.get("EMBER_DEVICE"))
+        self.device = pick_device(settings.load().device)
         self.model = load_encoder(self.device)
         self.tokenizer = Tokenizer(find_model_files().tokenizer)
 
@@ -116,7 +115,7 @@ class Tokenize:
                   scaledown_after_s=300)
 class Encode:
     def setup(self) -> None:
-        self.device = pick_device(os.environ.get("EMBER_DEVICE"))
+        self.device = pick_device(settings.load().device)
         self.model = load_encoder(self.device)
 
     def __call__(self, value: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ember.loaders._api import LocalWeights, load, resolve, stream
 from ember.loaders._config import LoaderConfig
 from ember.loaders._snapshot import (
     SnapshotLoad,
+    max_snapshot_bytes_from_env,
     snapshot_key,
     snapshot_load,
 )
@@ -41,13 +42,17 @@ from ember.loaders._snapshot_admin import (
     list_snapshots,
     preload_snapshot,
 )
+from ember.loaders._tier import CacheEntry
+from ember.loaders._tier_node import NodeTier
 
 __all__ = [
+    "CacheEntry",
     "CacheFull",
     "HeaderInvalid",
     "IntegrityError",
     "LoaderConfig",
     "LocalWeights",
+    "NodeTier",
     "ObjectChanged",
     "RangeNotSupported",
     "ShortRead",
@@ -63,6 +68,7 @@ __all__ = [
     "drop_snapshot",
     "list_snapshots",
     "load",
+    "max_snapshot_bytes_from_env",
     "preload_snapshot",
     "resolve",
     "snapshot_key",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from ember import settings
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -17,8 +18,8 @@ HEADER_CAP_BYTES = 100_000_000
 
 def default_cache_dir() -> Path:
     """The node cache directory: ``EMBER_CACHE_DIR`` or ``~/.cache/ember``."""
-    env = os.environ.get("EMBER_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ember"
+    configured = settings.load().cache_dir
+    return configured.expanduser() if configured else Path.home() / ".cache" / "ember"
 
 
 class LoaderConfig(BaseModel):
@@ -87,7 +88,7 @@ class LoaderConfig(BaseModel):
         """The regional tier's URL, or ``None`` when there is no regional tier."""
         url = self.regional_cache
         if url is None:
-            url = os.environ.get("EMBER_REGIONAL_CACHE")
+            url = settings.load().regional_cache
         return url or None
 
 

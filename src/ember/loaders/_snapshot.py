@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ember import settings
 from ember.errors import (
-    ConfigError,
     HeaderInvalid,
     IntegrityError,
     SnapshotInvalid,
@@ -63,7 +63,7 @@ ConfigLike = LoaderConfig | Mapping[str, Any] | None
 Verify = Literal["cheap", "full"]
 #: The records' folder under the cache root (namespaces always contain ``--``, so no clash).
 SNAPSHOT_DIR = "snapshots"
-ENV_MAX_BYTES = "EMBER_SNAPSHOT_MAX_BYTES"
+ENV_MAX_BYTES = settings.variable("snapshot_max_bytes")
 _FORMAT = 1
 # The weight map of a very large checkpoint is tens of KiB; far more is not a record of ours.
 _RECORD_CAP_BYTES = 16 << 20
@@ -166,10 +166,7 @@ def max_snapshot_bytes_from_env() -> int | None:
     Raises:
         ConfigError: the variable is set but not a whole number.
     """
-    text = os.environ.get(ENV_MAX_BYTES, "").strip()
-    if text and not text.isdigit():
-        raise ConfigError(f"{ENV_MAX_BYTES}={text!r} must be a number of bytes, e.g. 8589934592")
-    return int(text) if text else None
+    return settings.load().snapshot_max_bytes
 
 
 # -- the load --------------------------------------------------------------------------------

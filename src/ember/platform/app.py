@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ember import settings
 from ember.errors import ConfigError
 from ember.platform.config import NAME_PATTERN
 from ember.platform.decorator import DeploymentSpec, RouteSpec, get_spec
@@ -119,11 +119,7 @@ class App:
 
 def _pool_size(size: int | None) -> int:
     if size is None:
-        raw = os.environ.get("EMBER_WARM_POOL", "1").strip() or "1"
-        try:
-            size = int(raw)
-        except ValueError:
-            raise ConfigError(f"EMBER_WARM_POOL must be a whole number, got {raw!r}") from None
+        size = settings.load().warm_pool
     if size < 0:
         raise ConfigError(f"warm_pool must be 0 (off) or more, got {size}")
     return size

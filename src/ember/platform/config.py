@@ -8,9 +8,8 @@ doing what it does (replicas, placement, queues) while Ember decides how many re
 from __future__ import annotations
 
 import math
-import os
 import re
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import (
     BaseModel,
@@ -24,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from ember import settings
 from ember.platform.batching import Batch
 
 #: Deployment and route names reach URLs, metrics labels and cache keys: keep them plain.
@@ -32,6 +32,39 @@ ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
 
 #: Import path Ray Serve's controller resolves for Ember-managed deployments.
 POLICY_IMPORT_PATH = "ember.platform.control.ray_policy:EmberAutoscalingPolicy"
+
+
+class DeploymentKwargs(TypedDict, total=False):
+    """The keyword options of ``@ember.deployment(...)``: :class:`DeploymentOptions`' fields.
+
+    Spelled out so a type checker sees every documented option (a test keeps the keys equal
+    to ``DeploymentOptions.model_fields``); the constraints are the model's, checked when
+    the decorator is applied.
+    """
+
+    name: str | None
+    route: str | None
+    warm_floor: int
+    max_replicas: int
+    target_queue_depth: float
+    max_queue: int
+    max_ongoing_requests: int | None
+    batch: Batch | None
+    scaledown_after_s: float
+    request_timeout_s: float
+    max_request_bytes: int
+    num_cpus: float
+    num_gpus: float
+    graceful_shutdown_s: float
+    cold_start_budget_s: float | None
+    preload: bool
+    warm_pool: bool
+    warm_schedule: list[str]
+    warm_schedule_tz: str
+    retry_on_replica_loss: bool
+    max_start_attempts: int
+    health_check_period_s: float
+    health_check_timeout_s: float
 
 
 class DeploymentOptions(BaseModel):
@@ -157,16 +190,10 @@ class DeploymentOptions(BaseModel):
 
     def with_env_overrides(self) -> DeploymentOptions:
         """Apply process-wide overrides (``EMBER_SCALEDOWN_AFTER_S``) the operator set."""
-        raw = os.environ.get("EMBER_SCALEDOWN_AFTER_S")
-        if raw is None or raw == "":
+        seconds = settings.load().scaledown_after_s
+        if seconds is None:
             return self
-        try:
-            seconds = float(raw)
-        except ValueError as exc:
-            raise ValueError(
-                f"EMBER_SCALEDOWN_AFTER_S must be a number of seconds, got {raw!r}"
-            ) from exc
-        return self.model_copy(update={"scaledown_after_s": max(0.0, seconds)})
+        return self.model_copy(update={"scaledown_after_s": seconds})
 
 
 def serve_logging() -> dict[str, Any]:
@@ -177,7 +204,7 @@ def serve_logging() -> dict[str, Any]:
     Ember's /metrics already counts and times every request. ``EMBER_ACCESS_LOG=1`` turns
     the per-request lines back on.
     """
-    return {"enable_access_log": os.environ.get("EMBER_ACCESS_LOG", "") in ("1", "true")}
+    return {"enable_access_log": settings.load().access_log}
 
 
 def check_name(value: str, what: str) -> str:

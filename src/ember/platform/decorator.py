@@ -12,13 +12,18 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, Unpack, overload
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ember.errors import ConfigError
 from ember.platform.batching import Batch
-from ember.platform.config import NAME_PATTERN, DeploymentOptions, check_route
+from ember.platform.config import (
+    NAME_PATTERN,
+    DeploymentKwargs,
+    DeploymentOptions,
+    check_route,
+)
 
 T = TypeVar("T", bound=type)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -83,26 +88,7 @@ def deployment(cls: T, /) -> T: ...
 
 
 @overload
-def deployment(
-    *,
-    name: str | None = None,
-    route: str | None = None,
-    warm_floor: int = 0,
-    max_replicas: int = 4,
-    target_queue_depth: float = 2.0,
-    max_queue: int = 64,
-    max_ongoing_requests: int | None = None,
-    batch: Batch | None = None,
-    scaledown_after_s: float = 60.0,
-    request_timeout_s: float = 60.0,
-    max_request_bytes: int = 1 << 20,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-    graceful_shutdown_s: float = 20.0,
-    cold_start_budget_s: float | None = None,
-    preload: bool = False,
-    warm_pool: bool = True,
-) -> Callable[[T], T]: ...
+def deployment(**options: Unpack[DeploymentKwargs]) -> Callable[[T], T]: ...
 
 
 def deployment(cls: Any = None, /, **options: Any) -> Any:

@@ -17,6 +17,7 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
 
+from ember import settings
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
 from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
@@ -58,8 +59,7 @@ SYNC_HANDLE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 def default_port() -> int:
     """``EMBER_PORT`` or 8000."""
-    raw = os.environ.get("EMBER_PORT", "")
-    return int(raw) if raw.strip() else DEFAULT_PORT
+    return settings.load().port
 
 
 def build_application(app: App) -> Any:

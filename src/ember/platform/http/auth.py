@@ -23,19 +23,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ember import settings
 from ember.errors import ConfigError, Unauthorized
 from ember.platform.http._asgi import RejectHook, send_error
 
 logger = logging.getLogger("ember.auth")
 
-KEYS_ENV = "EMBER_API_KEYS"
-KEYS_FILE_ENV = "EMBER_API_KEYS_FILE"
+KEYS_ENV = settings.variable("api_keys")
+KEYS_FILE_ENV = settings.variable("api_keys_file")
 #: Where the matched key's id is left for later middlewares (the rate limiter).
 KEY_ID_STATE = "api_key_id"
 OPEN_PATHS: tuple[str, ...] = ("/healthz", "/readyz")
@@ -79,10 +79,11 @@ class ApiKeys:
             ConfigError: the key file cannot be read or holds no key; failing here, rather
                 than serving with auth off, is what the operator who set it meant.
         """
-        env = os.environ if environ is None else environ
-        keys = env.get(KEYS_ENV, "").split(",")
-        path = env.get(KEYS_FILE_ENV, "").strip()
-        if path:
+        config = settings.load(environ)
+        secret = config.api_keys.get_secret_value() if config.api_keys else ""
+        keys = secret.split(",")
+        path = config.api_keys_file
+        if path is not None:
             from_file = _read_key_file(Path(path))
             if not from_file:
                 raise ConfigError(f"{KEYS_FILE_ENV}={path} holds no key; add one key per line")

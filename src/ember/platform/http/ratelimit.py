@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -30,14 +29,15 @@ from typing import TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ember import settings
 from ember.errors import ConfigError, RateLimited
 from ember.platform.http._asgi import RejectHook, send_error
 from ember.platform.http.auth import KEY_ID_STATE, OPEN_PATHS
 
 logger = logging.getLogger("ember.ratelimit")
 
-RPS_ENV = "EMBER_RATE_LIMIT_RPS"
-BURST_ENV = "EMBER_RATE_LIMIT_BURST"
+RPS_ENV = settings.variable("rate_limit_rps")
+BURST_ENV = settings.variable("rate_limit_burst")
 DEFAULT_MAX_KEYS = 10_000
 
 Clock = Callable[[], float]
@@ -114,21 +114,14 @@ class RateLimiter:
         Raises:
             ConfigError: a value is not a positive number, or a burst is given without a rate.
         """
-        env = os.environ if environ is None else environ
-        raw_rate = env.get(RPS_ENV, "").strip()
-        raw_burst = env.get(BURST_ENV, "").strip()
-        if not raw_rate:
-            if raw_burst:
+        config = settings.load(environ)
+        rate, burst = config.rate_limit_rps, config.rate_limit_burst
+        if rate is None:
+            if burst is not None:
                 raise ConfigError(f"{BURST_ENV} is set but {RPS_ENV} is not; set both, "
                                   f"e.g. {RPS_ENV}=10 {BURST_ENV}=20")
             return None
-        rate = _parse_number(RPS_ENV, raw_rate, float)
-        if not (math.isfinite(rate) and rate > 0):
-            raise ConfigError(f"{RPS_ENV}={raw_rate!r} must be a positive number of requests/s")
-        burst = _parse_number(BURST_ENV, raw_burst, int) if raw_burst else math.ceil(rate)
-        if burst < 1:
-            raise ConfigError(f"{BURST_ENV}={raw_burst!r} must be at least 1 request")
-        return cls(rate, burst, clock)
+        return cls(rate, burst if burst is not None else math.ceil(rate), clock)
 
     def __len__(self) -> int:
         return len(self._buckets)

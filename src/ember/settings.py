@@ -1,0 +1,97 @@
+"""Every ``EMBER_*`` environment variable, read in one place and typed.
+
+Nothing else in Ember reads ``EMBER_*`` from the environment (a test walks the source for
+it), and README's environment table lists exactly the fields below (a test compares them).
+The environment is read on each call to :func:`load`, not once at import: tests, the CLI and
+Ray workers each see the environment they run in. An empty variable counts as unset.
+
+Example:
+    >>> load({"EMBER_PORT": "9000", "EMBER_ACCESS_LOG": "1"}).port
+    9000
+    >>> load({"EMBER_WARM_POOL": "many"})
+    Traceback (most recent call last):
+    ...
+    ember.errors._base.ConfigError: EMBER_WARM_POOL='many': Input should be a valid integer, \
+unable to parse string as an integer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ember.errors import ConfigError
+
+PREFIX = "EMBER_"
+
+
+class Settings(BaseSettings):
+    """Ember's process-wide settings; each field is ``EMBER_<FIELD NAME IN CAPITALS>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    # -- serving ---------------------------------------------------------------------------
+    port: int = Field(8000, ge=1, le=65535, description="port `ember run` listens on")
+    url: str | None = Field(None, description="where `ember status|warm|plan` look")
+    warm_pool: int = Field(1, ge=0, description="warm pool replicas of an App (0 = off)")
+    scaledown_after_s: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="overrides every deployment's quiet time"
+    )
+    access_log: bool = Field(False, description="Ray Serve's per-request access log lines")
+    # -- who may call ------------------------------------------------------------------------
+    api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
+    api_keys_file: Path | None = Field(None, description="invoke keys, one per line")
+    api_key: SecretStr | None = Field(
+        None, description="the key `ember batch --share-with-online` sends"
+    )
+    rate_limit_rps: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="requests/s per key (off if unset)"
+    )
+    rate_limit_burst: int | None = Field(None, ge=1, description="bucket (default: the rate)")
+    # -- weights -----------------------------------------------------------------------------
+    cache_dir: Path | None = Field(None, description="node cache (default ~/.cache/ember)")
+    regional_cache: str | None = Field(None, description="fsspec URL of the regional tier")
+    snapshot_max_bytes: int | None = Field(None, ge=0, description="cap on node snapshots")
+    minilm_weights: str | None = Field(None, description="weights URL of the flagship")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where models run"
+    )
+
+
+def variable(field: str) -> str:
+    """The environment variable of a settings field: ``variable("port") == "EMBER_PORT"``."""
+    return PREFIX + field.upper()
+
+
+def variables() -> list[str]:
+    """Every ``EMBER_*`` variable Ember reads, sorted."""
+    return sorted(variable(name) for name in Settings.model_fields)
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings from ``environ`` (default: this process's environment).
+
+    Raises:
+        ConfigError: a variable holds a value of the wrong kind; the message names it.
+    """
+    try:
+        if environ is None:
+            return Settings()
+        values = {
+            key.removeprefix(PREFIX).lower(): value
+            for key, value in environ.items()
+            if key.startswith(PREFIX) and value != ""
+        }
+        return Settings.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = variable(str(first["loc"][0])) if first["loc"] else PREFIX + "*"
+        raise ConfigError(f"{name}={first.get('input')!r}: {first['msg']}") from None
+
+
+__all__ = ["PREFIX", "Settings", "load", "variable", "variables"]
