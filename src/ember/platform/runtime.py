@@ -20,6 +20,7 @@ from ray.serve.config import HTTPOptions
 from ember import settings
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
+from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
 from ember.platform.control.replica import replica_class
 from ember.platform.http.auth import ApiKeys
@@ -118,11 +119,14 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> N
         )
     if address is None:
         # Local workers, the Serve controller and its proxy inherit this environment.
-        for name, value in THROUGHPUT_SETTINGS.items():
+        for name, value in {**THROUGHPUT_SETTINGS, **LOCAL_CLUSTER_ENV}.items():
             os.environ.setdefault(name, value)
+        use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     ray.init(
         address=address,
+        # A local cluster is reachable from this machine only (see control/listeners.py).
+        _node_ip_address=None if address else LOOPBACK,
         num_cpus=None if address else (int(num_cpus) if num_cpus else None),
         include_dashboard=False,
         runtime_env=runtime_env,

@@ -20,6 +20,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.control.replica import ReplicaCore, instantiate
 from ember.platform.decorator import DeploymentSpec
 
@@ -33,6 +34,7 @@ class EmberPool:
 
     async def __init__(self, specs: list[DeploymentSpec], preload: list[str],  # type: ignore[misc]
                        max_models: int = 4) -> None:
+        bind_replica_grpc_to_node_ip()
         import torch  # noqa: F401  (the point of the pool: imports paid before any request)
 
         self._specs = {s.name: s for s in specs}

@@ -18,6 +18,7 @@ from typing import Any
 from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, BatchFn, make_batcher
 from ember.platform.control import coldstart
 from ember.platform.control.coldstart import ReplicaTimeline
+from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.decorator import DeploymentSpec
 
 _DONE = object()
@@ -105,6 +106,7 @@ def replica_class(spec: DeploymentSpec) -> type:
 
     class EmberReplica:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
+            bind_replica_grpc_to_node_ip()
             self._core = await instantiate(spec)
 
         async def ember_call(self, attr: str, body: Any) -> Any:

@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from ember.errors import EmberError, InvalidBody, NotFound
 from ember.platform.config import DeploymentOptions, check_name
 from ember.platform.control import floors
+from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._asgi import (
     GuardMiddleware,
@@ -332,6 +333,7 @@ class EmberIngress:
                  timeouts: dict[str, float], protocols: tuple[Protocol, ...],
                  pool: DeploymentHandle[Any] | None, pool_names: list[str],
                  keys: ApiKeys, limiter: RateLimiter | None) -> None:
+        bind_replica_grpc_to_node_ip()
         self._state = IngressState(app_name, routes, options, handles, timeouts, protocols,
                                    pool, frozenset(pool_names), keys, limiter)
 
