@@ -46,6 +46,13 @@ class Settings(BaseSettings):
     # -- who may call ------------------------------------------------------------------------
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")
+    admin_keys: SecretStr | None = Field(None, description="admin keys, comma-separated")
+    admin_key: SecretStr | None = Field(
+        None, description="the key `ember status|warm|plan` send"
+    )
+    max_lease_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="longest warm lease an admin may take"
+    )
     api_key: SecretStr | None = Field(
         None, description="the key `ember batch --share-with-online` sends"
     )

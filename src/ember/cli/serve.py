@@ -39,9 +39,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_headers() -> dict[str, str]:
+    """``Authorization`` with ``EMBER_ADMIN_KEY`` when set: status and leases are admin routes."""
+    key = settings.load().admin_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+
+
 def _get_status(url: str) -> dict[str, Any] | None:
     try:
-        reply = httpx.get(f"{url.rstrip('/')}/-/status", timeout=10)
+        reply = httpx.get(f"{url.rstrip('/')}/-/status", headers=_admin_headers(), timeout=10)
     except httpx.HTTPError as exc:
         print(f"cannot reach Ember at {url}: {exc}", file=sys.stderr)
         return None
@@ -121,9 +127,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
     url = f"{args.url.rstrip('/')}/-/warm/{args.deployment}"
     try:
         if args.off:
-            reply = httpx.delete(url, timeout=30)
+            reply = httpx.delete(url, headers=_admin_headers(), timeout=30)
         else:
             reply = httpx.post(url, params={"for": args.duration, "floor": args.floor},
+                               headers=_admin_headers(),
                                timeout=30)
     except httpx.HTTPError as exc:
         print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ facts reach logs, callers and tests::
     │   │   ├── UnsafePath (400)       a name that could escape the cache root
     │   │   └── InputError (400)       an offline input is missing, unreadable or unknown
     │   ├── Unauthorized (401)         no valid ``Authorization: Bearer <key>``
+    │   ├── Forbidden (403)            an invoke key (or a remote client) on an admin route
     │   ├── NotFound (404)
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)      body over max_request_bytes, with or without Content-Length
@@ -74,6 +75,7 @@ from ember.errors._base import (
     WeightsError,
 )
 from ember.errors._edge import (
+    Forbidden,
     HeadersTooLarge,
     JSONTooDeep,
     RateLimited,
@@ -113,6 +115,7 @@ __all__ = [
     "ConfigError",
     "DeploymentUnavailable",
     "EmberError",
+    "Forbidden",
     "HandlerContract",
     "HeaderInvalid",
     "HeadersTooLarge",

@@ -15,6 +15,13 @@ class Unauthorized(RequestError):
         return {"WWW-Authenticate": "Bearer"}
 
 
+class Forbidden(RequestError):
+    """A valid caller asking for what its key (or its address) may not do."""
+
+    status_code = 403
+    template = "{detail}"
+
+
 class JSONTooDeep(MalformedJSON):
     """Arrays and objects nested deeper than the parser allows."""
 

@@ -69,7 +69,7 @@ def error_body(err: EmberError, request_id: str, **extra: Any) -> dict[str, Any]
         "error": {
             "message": str(err),
             "type": type(err).__name__,
-            "param": extra.pop("param", None),
+            "param": extra.pop("param", err.fields.get("param")),
             "code": err.status_code,
             "status": err.status_code,
             "request_id": request_id,

@@ -22,20 +22,25 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember import settings
-from ember.errors import ConfigError, Unauthorized
+from ember.errors import ConfigError, EmberError, Forbidden, Unauthorized
 from ember.platform.http._asgi import RejectHook, send_error
 
 logger = logging.getLogger("ember.auth")
 
 KEYS_ENV = settings.variable("api_keys")
 KEYS_FILE_ENV = settings.variable("api_keys_file")
+ADMIN_KEYS_ENV = settings.variable("admin_keys")
+#: Paths under this prefix are admin routes.
+ADMIN_PREFIX = "/-/"
 #: Where the matched key's id is left for later middlewares (the rate limiter).
 KEY_ID_STATE = "api_key_id"
 OPEN_PATHS: tuple[str, ...] = ("/healthz", "/readyz")
@@ -62,18 +67,21 @@ class ApiKeys:
         False
     """
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
         cleaned = [k.strip() for k in keys if k.strip()]
-        for index, key in enumerate(cleaned, start=1):
+        admin = [k.strip() for k in admin_keys if k.strip()]
+        for index, key in enumerate([*cleaned, *admin], start=1):
             _check_key(index, key)
         # A dict keeps one entry per distinct key, in order, so a key listed twice
         # is compared once.
-        digests = {hashlib.sha256(k.encode()).digest(): key_id(k) for k in cleaned}
+        digests = {hashlib.sha256(k.encode()).digest(): key_id(k) for k in [*cleaned, *admin]}
         self._digests: tuple[tuple[bytes, str], ...] = tuple(digests.items())
+        self._admin_ids = frozenset(key_id(k) for k in admin)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ApiKeys:
-        """Keys from ``EMBER_API_KEYS`` and ``EMBER_API_KEYS_FILE`` (both are read if set).
+        """Invoke keys from ``EMBER_API_KEYS`` and ``EMBER_API_KEYS_FILE``, admin keys from
+        ``EMBER_ADMIN_KEYS`` (each is read if set).
 
         Raises:
             ConfigError: the key file cannot be read or holds no key; failing here, rather
@@ -88,12 +96,22 @@ class ApiKeys:
             if not from_file:
                 raise ConfigError(f"{KEYS_FILE_ENV}={path} holds no key; add one key per line")
             keys.extend(from_file)
-        return cls(keys)
+        admin = config.admin_keys.get_secret_value() if config.admin_keys else ""
+        return cls(keys, admin.split(","))
 
     @property
     def enabled(self) -> bool:
         """Whether any key is configured, i.e. whether auth is on."""
         return bool(self._digests)
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Whether admin keys are configured (else admin routes answer loopback clients)."""
+        return bool(self._admin_ids)
+
+    def is_admin(self, kid: str) -> bool:
+        """Whether the key with id ``kid`` is an admin key."""
+        return kid in self._admin_ids
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -157,17 +175,21 @@ def bearer_token(scope: Scope) -> str | None:
 
 
 class AuthMiddleware:
-    """Answer 401 unless ``Authorization: Bearer <key>`` names a configured key.
+    """Answer 401 unless ``Authorization: Bearer <key>`` names a key the route accepts.
 
-    Pass-through when ``keys`` is empty (auth off), for non-HTTP scopes (lifespan), and for
-    ``open_paths`` (exact matches, so ``/healthz/../metrics`` is not open). On success the
-    key's id is left in ``scope["state"]["api_key_id"]``.
+    Invoke routes take any configured key (pass-through when none is configured). Admin
+    routes (``/-/...``: status, warm leases, anything that changes what is served) take an
+    admin key when ``EMBER_ADMIN_KEYS`` is set, and an invoke key gets 403 there; with no
+    admin key configured they answer loopback clients only (403 for others), still asking
+    for an invoke key when invoke auth is on. Non-HTTP scopes (lifespan) and ``open_paths``
+    (exact matches, so ``/healthz/../metrics`` is not open) pass. On success the key's id is
+    left in ``scope["state"]["api_key_id"]``.
 
     Args:
         app: the wrapped ASGI app.
         keys: the configured keys.
         open_paths: paths served without a key (load-balancer probes).
-        on_reject: called with ``(path, "unauthorized")`` for each refusal (metrics).
+        on_reject: called with ``(path, "unauthorized" | "forbidden")`` per refusal (metrics).
     """
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: Iterable[str] = OPEN_PATHS,
@@ -178,24 +200,49 @@ class AuthMiddleware:
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or not self.keys.enabled
-                or scope["path"] in self.open_paths):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            if self.on_reject is not None:
+                self.on_reject(scope["path"], "unauthorized" if refusal.status_code == 401
+                               else "forbidden")
+            await send_error(refusal, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> EmberError | None:
+        """Why this request may not pass, or None (its key id then left in the scope)."""
+        admin = scope["path"].startswith(ADMIN_PREFIX)
+        if admin and not self.keys.admin_enabled and not _is_loopback(scope.get("client")):
+            return Forbidden("admin routes answer loopback clients only; set "
+                             f"{ADMIN_KEYS_ENV} to call them from elsewhere")
+        if not self.keys.enabled:
+            return None
         token = bearer_token(scope)
         kid = self.keys.match(token) if token is not None else None
         if kid is None:
-            reason = "no bearer token" if token is None else "unknown key"
             # Debug, not info: a flood of bad tokens must not flood the logs; the on_reject
             # hook counts them.
-            logger.debug("refused %s %s: %s", scope["method"], scope["path"], reason)
-            if self.on_reject is not None:
-                self.on_reject(scope["path"], "unauthorized")
-            err = Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
-            await send_error(err, scope, receive, send)
-            return
+            logger.debug("refused %s %s: %s", scope["method"], scope["path"],
+                         "no bearer token" if token is None else "unknown key")
+            return Unauthorized("missing or invalid API key; send 'Authorization: Bearer <key>'")
+        if admin and self.keys.admin_enabled and not self.keys.is_admin(kid):
+            return Forbidden(f"an invoke key cannot call admin routes; send a key from "
+                             f"{ADMIN_KEYS_ENV}")
         scope.setdefault("state", {})[KEY_ID_STATE] = kid
-        await self.app(scope, receive, send)
+        return None
+
+
+def _is_loopback(client: Any) -> bool:
+    """Whether an ASGI ``client`` (host, port) is this machine."""
+    if not client:
+        return False
+    try:
+        return ipaddress.ip_address(str(client[0])).is_loopback
+    except ValueError:
+        return str(client[0]) == "localhost"
 
 
 __all__ = [

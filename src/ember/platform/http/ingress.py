@@ -27,7 +27,8 @@ from pydantic_core import to_jsonable_python
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ember.errors import EmberError, InvalidBody, NotFound
+from ember import settings
+from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
 from ember.platform.config import DeploymentOptions, check_name
 from ember.platform.control import floors
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
@@ -72,6 +73,8 @@ class IngressState:
         # travel to the ingress.
         self.keys = keys if keys is not None else ApiKeys([])
         self.limiter = limiter
+        self.options = options
+        self.max_lease_s = settings.load().max_lease_s
         self.routes = routes
         self.protocols = protocols
         self.metrics = Metrics()
@@ -295,6 +298,17 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
     _add_lease_routes(app, state)
 
 
+def _check_lease(state: IngressState, deployment: str, seconds: float, floor: int) -> None:
+    """Refuse a lease longer than ``EMBER_MAX_LEASE_S`` or a floor above ``max_replicas``."""
+    if seconds > state.max_lease_s:
+        raise BadRequest(f"for={seconds:g}s is over the lease limit of {state.max_lease_s:g}s "
+                         f"({settings.variable('max_lease_s')})", param="for")
+    cap = state.options[deployment].max_replicas
+    if floor > cap:
+        raise BadRequest(f"floor={floor} is over {deployment}'s max_replicas of {cap}",
+                         param="floor")
+
+
 def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
     """``POST /-/warm/{deployment}?for=600&floor=1`` holds a floor for a while; DELETE ends it."""
 
@@ -304,12 +318,13 @@ def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
             raise NotFound(method="warm", path=f"/-/warm/{deployment}")
 
     async def warm(deployment: str, duration: Annotated[str, Query(alias="for")] = "600",
-                   floor: Annotated[int, Query(ge=1, le=64)] = 1) -> Response:
+                   floor: Annotated[int, Query(ge=1)] = 1) -> Response:
         check(deployment)
         try:
             seconds = floors.parse_duration(duration)
         except ValueError as exc:
             raise InvalidBody(str(exc)) from None
+        _check_lease(state, deployment, seconds, floor)
         until = time.time() + seconds
         await asyncio.to_thread(floors.LeaseStore(state.app_name).put, deployment, floor, until)
         return JSONResponse({"deployment": deployment, "floor": floor, "until_s": until})
