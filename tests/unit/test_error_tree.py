@@ -54,3 +54,15 @@ def test_the_drawing_matches_the_inheritance() -> None:
             checked += 1
         stack.append((depth, name))
     assert checked == len(errors.__all__) - 1  # every class but the root has a parent
+
+
+def test_errors_cross_processes_unchanged() -> None:
+    # A replica raises, the edge answers: the message is not templated twice and keyword-only
+    # fields survive.
+    import pickle
+
+    for err in (errors.InvalidBody("text must not be empty"),
+                errors.QueueFull(deployment="m", queued=3, limit=2, retry_after_s=4)):
+        back = pickle.loads(pickle.dumps(err))
+        assert (type(back), str(back), back.fields) == (type(err), str(err), err.fields)
+        assert back.headers() == err.headers()

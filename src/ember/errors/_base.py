@@ -29,6 +29,19 @@ class EmberError(Exception):
         """Extra response headers the ingress sends with this error."""
         return {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross process boundaries (a replica raises, the edge answers). Exception's
+        # default pickling calls cls(message), which would template the message twice and
+        # fails for classes with keyword-only fields; rebuild from the message and fields.
+        return (_restore, (type(self), str(self)), dict(self.__dict__))
+
+
+def _restore(cls: type[EmberError], message: str) -> EmberError:
+    """Unpickle an Ember error without running its constructor (see ``__reduce__``)."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    return err
+
 
 class ConfigError(EmberError, ValueError):
     """A deployment or application is wired wrongly; raised when it is declared."""

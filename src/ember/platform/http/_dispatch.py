@@ -197,13 +197,16 @@ class Dispatcher:
             task.cancel()
 
     def _map_error(self, exc: BaseException, name: str, request_id: str) -> BaseException:
+        # RayTaskError first: Ray re-raises a replica's error as a subclass of both
+        # RayTaskError and the error's own class, so an EmberError raised on purpose
+        # arrives as one of these; its cause holds the error as raised.
+        if isinstance(exc, RayTaskError):
+            return _user_error(name, exc, request_id)
         if isinstance(exc, EmberError):
             return exc
         if isinstance(exc, BackPressureError):
             limit = self._options[name].max_queue
             return QueueFull(deployment=name, queued=self.tracker.loads[name].queued, limit=limit)
-        if isinstance(exc, RayTaskError):
-            return _user_error(name, exc, request_id)
         if isinstance(exc, RayActorError):  # the replica process died under this request
             return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name,
                                          lost_replica=True)
