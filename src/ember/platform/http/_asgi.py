@@ -13,6 +13,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -80,6 +81,52 @@ def error_body(err: EmberError, request_id: str, **extra: Any) -> dict[str, Any]
 
 def error_response(err: EmberError, request_id: str, **extra: Any) -> JSONResponse:
     return JSONResponse(error_body(err, request_id, **extra), err.status_code, err.headers())
+
+
+#: The cold-start report of the request being answered, for routes (protocol adapters)
+#: whose handlers return only a value; :class:`ColdStartHeaderMiddleware` sends it.
+_COLD_REPORT: ContextVar[list[str] | None] = ContextVar("ember_cold_report", default=None)
+COLD_START_HEADER = "X-Ember-Cold-Start"
+
+
+def note_cold_start(header_value: str) -> None:
+    """Record that this request met a cold start; its response will carry the header."""
+    box = _COLD_REPORT.get()
+    if box is not None and not box:
+        box.append(header_value)
+
+
+class ColdStartHeaderMiddleware:
+    """Add ``X-Ember-Cold-Start`` to any response whose request met a cold start.
+
+    Native routes set the header themselves; protocol routes (OpenAI, Open Inference) call
+    deployments through the gateway, which notes the report here. Pure ASGI: one context
+    variable per request and a look at the response's first message, nothing buffered.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        box: list[str] = []
+        token = _COLD_REPORT.set(box)
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start" and box:
+                headers = list(message.get("headers", []))
+                name = COLD_START_HEADER.lower().encode()
+                if all(key.lower() != name for key, _ in headers):
+                    headers.append((name, box[0].encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            _COLD_REPORT.reset(token)
 
 
 class GuardMiddleware:

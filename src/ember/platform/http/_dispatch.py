@@ -144,11 +144,12 @@ class Dispatcher:
         self.tracker.record_cold(name, report)
         return report
 
-    async def call_attr(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+    async def call_attr(self, deployment: str, attr: str, body: Any,
+                        request_id: str) -> Outcome:
         """Call one handler by name (used by protocol adapters)."""
         route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
                           attr=attr, input_model=None, output_model=None, is_async=True)
-        return (await self.call(route, body, request_id)).value
+        return await self.call(route, body, request_id)
 
     async def stream(self, route: RouteSpec, body: Any, request_id: str) -> AsyncIterator[Any]:
         """Yield a streaming handler's chunks as they are produced."""

@@ -34,9 +34,12 @@ from ember.platform.control import floors
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._asgi import (
+    COLD_START_HEADER,
+    ColdStartHeaderMiddleware,
     GuardMiddleware,
     error_body,
     install_error_handlers,
+    note_cold_start,
     request_id_of,
 )
 from ember.platform.http._dispatch import Dispatcher
@@ -55,7 +58,6 @@ logger = logging.getLogger("ember.ingress")
 
 _STATUS_POLL_S = 1.0
 _FAST_POLL_S = 0.25
-COLD_START_HEADER = "X-Ember-Cold-Start"
 _DEFAULT_BODY_LIMIT = 1 << 20
 
 
@@ -100,7 +102,10 @@ class IngressState:
 
     # The Gateway protocol adapters use.
     async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
-        return await self.dispatcher.call_attr(deployment, attr, body, request_id)
+        outcome = await self.dispatcher.call_attr(deployment, attr, body, request_id)
+        if outcome.cold is not None:
+            note_cold_start(outcome.cold.header())
+        return outcome.value
 
     def ready(self) -> bool:
         return self.tracker.ready()
@@ -241,7 +246,9 @@ def build_fastapi(state: IngressState) -> FastAPI:
         protocol.install(app, state)
     _add_platform_routes(app, state)
     # Starlette runs the last middleware added first: header limit, then auth (so no
-    # unauthenticated body is ever read), per-key rate limit, encoding, body size.
+    # unauthenticated body is ever read), per-key rate limit, encoding, body size, and the
+    # cold-start header of protocol routes.
+    app.add_middleware(ColdStartHeaderMiddleware)
     app.add_middleware(GuardMiddleware, limit_for=state.limit_for, on_reject=state.on_reject)
     app.add_middleware(ContentEncodingMiddleware, on_reject=state.on_reject)
     app.add_middleware(RateLimitMiddleware, limiter=state.limiter, on_reject=state.on_reject)

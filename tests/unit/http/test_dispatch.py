@@ -1,0 +1,265 @@
+"""The ingress's Dispatcher, driven through fake deployment handles; no cluster.
+
+The Dispatcher, its LoadTracker and the routes (built by ``@ember.deployment``, ``App`` and
+``ember.pipeline``) are the real ones; only Ray Serve's handles are faked (``serve_fakes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from contextlib import ExitStack
+from typing import Any, TypeVar
+
+import pytest
+from pydantic import BaseModel
+from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import BackPressureError
+from serve_fakes import FakeHandle, as_handle, hang, pool_of, replica_of, scripted
+
+import ember
+from ember.errors import (
+    DeploymentUnavailable,
+    InvalidBody,
+    QueueFull,
+    RequestTimeout,
+    UserCodeError,
+)
+from ember.platform.decorator import RouteSpec, get_spec
+from ember.platform.http._dispatch import Dispatcher, Outcome
+from ember.platform.http._metrics import Metrics
+from ember.platform.http._state import LoadTracker
+
+T = TypeVar("T")
+#: Every test finishes in well under this; a regression fails fast instead of hanging.
+_TEST_DEADLINE_S = 10.0
+
+
+class Text(BaseModel):
+    text: str
+
+
+@ember.deployment(route="/echo")
+class Echo:
+    def __call__(self, body: Text) -> dict[str, str]:
+        return {"echo": body.text}
+
+
+@ember.deployment(route="/busy", max_queue=2, max_ongoing_requests=2)
+class Busy:
+    def __call__(self, body: Text) -> str:
+        return body.text
+
+
+@ember.deployment(route="/side-effects", retry_on_replica_loss=False)
+class SideEffects:
+    def __call__(self, body: Text) -> str:
+        return body.text
+
+
+@ember.deployment(route="/gpu-only", warm_pool=False)
+class NoPool:
+    def __call__(self, body: Text) -> str:
+        return body.text
+
+
+@ember.deployment
+class Tokenize:
+    def __call__(self, body: Text) -> list[str]:
+        return body.text.split()
+
+
+@ember.deployment
+class Encode:
+    def __call__(self, tokens: list[str]) -> list[int]:
+        return [len(t) for t in tokens]
+
+
+@ember.deployment
+class Pool:
+    def __call__(self, lengths: list[int]) -> int:
+        return sum(lengths)
+
+
+PIPELINE = ember.pipeline([Tokenize, Encode, Pool], route="/chain", request_timeout_s=0.05)
+APP = ember.App([Echo, Busy, SideEffects, NoPool, PIPELINE], warm_pool=1)
+BODY = Text(text="hello cold world")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, _TEST_DEADLINE_S))
+
+
+def _route(cls: type) -> RouteSpec:
+    return get_spec(cls).routes[0]
+
+
+def _dispatcher(handles: dict[str, FakeHandle], *, pool: FakeHandle | None = None,
+                warm: bool = True) -> Dispatcher:
+    """A Dispatcher wired as the ingress wires it; ``warm`` gives every deployment a replica."""
+    options = {spec.name: spec.options for spec in APP.specs}
+    tracker = LoadTracker(options, Metrics())
+    for load in tracker.loads.values():
+        load.running = 1 if warm else 0
+    return Dispatcher({name: as_handle(h) for name, h in handles.items()}, options, tracker,
+                      APP.timeouts(), as_handle(pool) if pool is not None else None,
+                      frozenset(spec.name for spec in APP.pool_specs()))
+
+
+def test_full_queue_is_503_with_retry_after_and_never_reaches_a_replica() -> None:
+    busy = FakeHandle(replica_of(Busy), refuse=BackPressureError(2, 2))
+    dispatcher = _dispatcher({"Busy": busy})
+
+    async def call_behind_three_others() -> Outcome:
+        # 1 running replica takes 2 (max_ongoing_requests); 3 others + this one leave 2 queued.
+        with ExitStack() as others:
+            for _ in range(3):
+                others.enter_context(dispatcher.tracker.track("Busy"))
+            return await dispatcher.call(_route(Busy), BODY, "req-1")
+
+    with pytest.raises(QueueFull) as info:
+        _run(call_behind_three_others())
+    assert info.value.status_code == 503
+    assert info.value.headers() == {"Retry-After": "1"}
+    assert str(info.value) == "deployment 'Busy' has 2 queued requests (limit 2); retry shortly"
+    assert busy.count("ember_call") == 1  # refused by the router: no retry either
+    assert busy.ran == []
+
+
+def test_timeout_is_504_and_cancels_every_pipeline_stage() -> None:
+    stages = {name: FakeHandle(hang) for name in ("Tokenize", "Encode", "Pool")}
+    dispatcher = _dispatcher(stages)
+    route = PIPELINE.route_spec()
+
+    with pytest.raises(RequestTimeout) as info:
+        _run(dispatcher.call(route, BODY, "req-2"))
+    assert info.value.status_code == 504
+    # The pipeline's own timeout (0.05 s), not its stages' default of 60 s.
+    assert info.value.fields["timeout_s"] == 0.05
+    assert info.value.fields["deployment"] == "Tokenize"
+    assert {name: h.count("ember_call") for name, h in stages.items()} == {
+        "Tokenize": 1, "Encode": 1, "Pool": 1}
+    assert {name: h.cancels for name, h in stages.items()} == {
+        "Tokenize": 1, "Encode": 1, "Pool": 1}
+
+
+def test_pipeline_passes_each_stage_result_to_the_next() -> None:
+    stages = {cls.__name__: FakeHandle(replica_of(cls)) for cls in (Tokenize, Encode, Pool)}
+    outcome = _run(_dispatcher(stages).call(PIPELINE.route_spec(), BODY, "req-3"))
+    assert outcome.value == len("hello") + len("cold") + len("world")
+    assert [h.ran[0].args[1] for h in stages.values()] == [
+        BODY, ["hello", "cold", "world"], [5, 4, 5]]
+    assert outcome.cold is None
+
+
+def test_lost_replica_is_retried_exactly_once() -> None:
+    echo = FakeHandle(scripted(ActorDiedError(), {"echo": "second replica"}))
+    outcome = _run(_dispatcher({"Echo": echo}).call(_route(Echo), BODY, "req-4"))
+    assert outcome.value == {"echo": "second replica"}
+    assert echo.count("ember_call") == 2
+
+
+def test_second_lost_replica_is_503_without_a_third_try() -> None:
+    echo = FakeHandle(scripted(ActorDiedError(), ActorDiedError(), "never sent"))
+    with pytest.raises(DeploymentUnavailable) as info:
+        _run(_dispatcher({"Echo": echo}).call(_route(Echo), BODY, "req-5"))
+    assert echo.count("ember_call") == 2
+    assert info.value.status_code == 503
+    assert info.value.headers() == {"Retry-After": "1"}
+    assert info.value.fields["lost_replica"] is True
+    assert str(info.value) == ("deployment 'Echo' is unavailable: "
+                               "The actor died unexpectedly before finishing this task.")
+
+
+def test_no_retry_when_retry_on_replica_loss_is_off() -> None:
+    handle = FakeHandle(scripted(ActorDiedError(), "would have succeeded"))
+    with pytest.raises(DeploymentUnavailable):
+        _run(_dispatcher({"SideEffects": handle}).call(_route(SideEffects), BODY, "req-6"))
+    assert handle.count("ember_call") == 1
+
+
+def test_pipeline_is_not_retried_on_a_lost_replica() -> None:
+    stages = {"Tokenize": FakeHandle(scripted(ActorDiedError(), ["retried"])),
+              "Encode": FakeHandle(), "Pool": FakeHandle()}
+    with pytest.raises(DeploymentUnavailable):
+        _run(_dispatcher(stages).call(PIPELINE.route_spec(), BODY, "req-7"))
+    assert stages["Tokenize"].count("ember_call") == 1
+
+
+def test_cold_request_goes_to_the_pool_and_reports_path_pool() -> None:
+    echo, pool = FakeHandle(replica_of(Echo)), FakeHandle(pool_of(Echo))
+    dispatcher = _dispatcher({"Echo": echo}, pool=pool, warm=False)
+    dispatcher.tracker.pool_running = 1
+
+    outcome = _run(dispatcher.call(_route(Echo), BODY, "req-8"))
+    assert outcome.value == {"echo": "hello cold world"}
+    assert [s.args for s in pool.sent] == [("Echo", "__call__", BODY)]
+    assert echo.count("ember_call") == 0
+    assert echo.count("ember_ping") == 1  # woken, so its own replica starts meanwhile
+    assert outcome.cold is not None and outcome.cold.path == "pool"
+    # The pool constructed Echo for this request: its setup and warmup are the only phases.
+    assert outcome.cold.phases == {"queue": 0.0, "start": 0.0, "import": 0.0,
+                                   "weights": 0.118, "warmup": 0.021}
+    assert ";path=pool;queue=0;start=0;import=0;weights=118;warmup=21" in outcome.cold.header()
+    assert dispatcher.tracker.loads["Echo"].cold_starts == 1
+
+
+@pytest.mark.parametrize(("cls", "pool_running"), [(Echo, 0), (NoPool, 1)],
+                         ids=["pool not running", "deployment opted out"])
+def test_cold_request_goes_to_the_deployment_when_the_pool_cannot_serve_it(
+    cls: type, pool_running: int,
+) -> None:
+    name = get_spec(cls).name
+    own, pool = FakeHandle(replica_of(cls)), FakeHandle(pool_of(cls))
+    dispatcher = _dispatcher({name: own}, pool=pool, warm=False)
+    dispatcher.tracker.pool_running = pool_running
+
+    outcome = _run(dispatcher.call(_route(cls), BODY, "req-9"))
+    assert pool.sent == []
+    assert own.count("ember_call") == 1
+    assert outcome.cold is not None and outcome.cold.path == "replica"
+    assert "path=replica" in outcome.cold.header()
+
+
+def test_warm_request_has_no_cold_start_report() -> None:
+    echo, pool = FakeHandle(replica_of(Echo)), FakeHandle(pool_of(Echo))
+    dispatcher = _dispatcher({"Echo": echo}, pool=pool, warm=True)
+    dispatcher.tracker.pool_running = 1
+    outcome = _run(dispatcher.call(_route(Echo), BODY, "req-10"))
+    assert outcome.cold is None
+    assert (pool.sent, echo.count("ember_ping"), echo.count("ember_call")) == ([], 0, 1)
+
+
+def test_user_code_raising_is_500_naming_the_request_id() -> None:
+    async def broken(attr: str, body: Any) -> Any:
+        raise ValueError("shape mismatch")
+
+    echo = FakeHandle(broken)
+    with pytest.raises(UserCodeError) as info:
+        _run(_dispatcher({"Echo": echo}).call(_route(Echo), BODY, "req-7f3a"))
+    assert info.value.status_code == 500
+    assert str(info.value) == "deployment 'Echo' raised ValueError; request id req-7f3a"
+    assert echo.count("ember_call") == 1  # a handler's exception is not a lost replica
+
+
+def _refuses(message: str) -> FakeHandle:
+    async def handler(attr: str, body: Any) -> Any:
+        raise InvalidBody(message)
+
+    return FakeHandle(handler)
+
+
+def test_ember_error_raised_on_purpose_keeps_its_status() -> None:
+    echo = _refuses("text must not be empty")
+    with pytest.raises(InvalidBody) as info:
+        _run(_dispatcher({"Echo": echo}).call(_route(Echo), BODY, "req-11"))
+    assert info.value.status_code == 422
+    assert echo.count("ember_call") == 1
+
+
+def test_ember_error_raised_on_purpose_keeps_its_message() -> None:
+    with pytest.raises(InvalidBody) as info:
+        _run(_dispatcher({"Echo": _refuses("text must not be empty")})
+             .call(_route(Echo), BODY, "req-12"))
+    assert type(info.value).__name__ == "InvalidBody"
+    assert str(info.value) == "invalid body: text must not be empty"
