@@ -53,3 +53,24 @@ def test_openai_route_at_zero_replicas_carries_the_cold_start_header() -> None:
     warm = _post(state)
     assert warm.status_code == 200 and COLD_START_HEADER not in warm.headers
     assert own.count("ember_call") == 1
+
+
+def test_a_json_body_without_content_type_is_read_as_json() -> None:
+    # Triton's HTTP client sends its JSON without a Content-Type; Triton and KServe read it.
+    own = FakeHandle(replica_of(Vectors))
+    state = IngressState(APP.name, list(APP.routes()), {s.name: s.options for s in APP.specs},
+                         {"Vectors": as_handle(own)}, APP.timeouts(), APP.protocols, None,
+                         frozenset(), ApiKeys([]), None)
+    state.tracker.loads["Vectors"].running = 1
+
+    async def go(content_type: str | None) -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_fastapi(state))
+        headers = {} if content_type is None else {"content-type": content_type}
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge") as client:
+            return await client.post("/v1/embeddings", headers=headers,
+                                     content=b'{"model": "toy", "input": ["ab"]}')
+
+    for content_type in (None, "", "application/json"):
+        reply = asyncio.run(go(content_type))
+        assert reply.status_code == 200, (content_type, reply.text)
+        assert reply.json()["data"][0]["embedding"] == [2.0, 0.0]

@@ -277,11 +277,24 @@ def _strict_json_route(state: IngressState) -> type[APIRoute]:
                     except EmberError:
                         state.on_reject(request.url.path, "malformed_json")
                         raise
+                    _default_to_json(request)
                 return await handler(request)
 
             return strict
 
     return StrictJSONRoute
+
+
+def _default_to_json(request: Request) -> None:
+    """Read a body sent without ``Content-Type`` as JSON, as Triton and KServe do.
+
+    Triton's own HTTP client sends JSON with no content type; FastAPI would not parse it.
+    """
+    headers = request.scope["headers"]
+    if not any(key == b"content-type" and value for key, value in headers):
+        request.scope["headers"] = [*(h for h in headers if h[0] != b"content-type"),
+                                    (b"content-type", b"application/json")]
+        request.__dict__.pop("_headers", None)  # Starlette caches the parsed headers
 
 
 def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
