@@ -9,10 +9,12 @@ while Ray Serve's controller, driven by Ember's policy, starts replicas.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import inspect
 import json
 import logging
 import time
+import typing
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -155,9 +157,33 @@ def _enum_text(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+def single_item(route: RouteSpec) -> tuple[Any, Any] | None:
+    """``(In, Out)`` when a batch route also takes one ``In`` as the whole body, else None.
+
+    A batch handler ``list[In] -> list[Out]`` answers a JSON array item for item, and a single
+    ``In`` with a single ``Out`` (one batch item), as Ray Serve's ``@serve.batch`` and
+    LitServe batch single requests. Not when ``In`` is itself an array type: an array body
+    would then be ambiguous.
+    """
+    if route.kind != "batch" or typing.get_origin(route.input_model) is not list:
+        return None
+    (item,) = typing.get_args(route.input_model) or (Any,)
+    if item is Any or typing.get_origin(item) in _ARRAY_ORIGINS or item in _ARRAY_ORIGINS:
+        return None
+    out_args = typing.get_args(route.output_model)
+    out = out_args[0] if typing.get_origin(route.output_model) is list and out_args else Any
+    return item, out
+
+
+_ARRAY_ORIGINS: tuple[Any, ...] = (list, tuple, set, frozenset, bytes, collections.abc.Sequence)
+
+
 def _response_model(route: RouteSpec) -> Any:
     """The annotation if FastAPI can serialize it, else None (returned value sent as is)."""
     annotation = route.output_model
+    single = single_item(route)
+    if single is not None and annotation is not None:
+        annotation = annotation | single[1] if single[1] is not Any else Any
     if route.is_stream or annotation is None or annotation is inspect.Signature.empty:
         return None
     try:
@@ -171,13 +197,15 @@ def _body_parameter(route: RouteSpec) -> inspect.Parameter | None:
     if route.kind == "none":
         return None
     # Body() makes FastAPI read lists and scalars from the body rather than the query.
-    annotation = (Annotated[route.input_model, Body()] if route.kind in ("batch", "value")
-                  else route.input_model)
+    single = single_item(route)
+    model = route.input_model | single[0] if single is not None else route.input_model
+    annotation = Annotated[model, Body()] if route.kind in ("batch", "value") else model
     return inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
 
 
 def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
     dispatcher, metrics = state.dispatcher, state.metrics
+    single = single_item(route)
 
     async def endpoint(request: Request, response: Response, body: Any = None) -> Any:
         if route.is_stream:
@@ -186,10 +214,12 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
         started = time.monotonic()
         status = "200"
         try:
-            outcome = await dispatcher.call(route, body, request_id_of(request))
+            one = single is not None and not isinstance(body, list)
+            outcome = await dispatcher.call(route, [body] if one else body,
+                                            request_id_of(request))
             if outcome.cold is not None:
                 response.headers[COLD_START_HEADER] = outcome.cold.header()
-            return outcome.value
+            return outcome.value[0] if one else outcome.value
         except EmberError as err:
             status = str(err.status_code)
             reason = {503: "queue_full", 504: "timeout"}.get(err.status_code)
