@@ -297,6 +297,10 @@ def _strict_json_route(state: IngressState) -> type[APIRoute]:
     class StrictJSONRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
+            if self.body_field is None:
+                # No body parameter: FastAPI never parses this body, the handler reads it
+                # (the Open Inference route, for Triton's binary tensor extension).
+                return handler
 
             async def strict(request: Request) -> Response:
                 body = await request.body()

@@ -6,22 +6,30 @@ Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``,
 (``def forward(self, x: torch.Tensor) -> torch.Tensor``); each row of the input is one batch
 item, so concurrent infer requests are stacked into one forward pass when the deployment
 batches. Errors use the protocol's shape, ``{"error": "<message>"}``.
+
+Triton's binary tensor extension works both ways, as Triton's own client uses it by default:
+a request whose ``Inference-Header-Content-Length`` header is N holds N bytes of JSON, then
+the raw little-endian bytes of each input that names its ``binary_data_size``; an output
+asked for with ``"parameters": {"binary_data": true}`` (or the request parameter
+``binary_data_output``) comes back the same way.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember.errors import ConfigError, EmberError
 from ember.platform.config import NAME_PATTERN
 from ember.platform.http._asgi import request_id_of
+from ember.platform.http._strict_json import parse_json
 from ember.platform.http.protocols import Gateway, Protocol
 
 if TYPE_CHECKING:
@@ -63,13 +71,26 @@ class InferInput(BaseModel):
     name: str
     shape: list[int] = Field(min_length=1, max_length=8)
     datatype: str
-    data: list[Any]
+    data: list[Any] | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class RequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
 
 
 class InferRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str | None = None
     inputs: list[InferInput] = Field(min_length=1)
+    outputs: list[RequestedOutput] = Field(default_factory=list)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+#: Triton's binary tensor extension: the length of the JSON part of a body.
+HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 class OpenInferenceProtocol(Protocol):
@@ -100,7 +121,7 @@ class OpenInferenceProtocol(Protocol):
         for path, fn in get.items():
             api.add_api_route(path, fn, methods=["GET"], tags=["open-inference-v2"])
         api.add_api_route("/v2/models/{name}/infer", oip.infer, methods=["POST"],
-                          tags=["open-inference-v2"])
+                          tags=["open-inference-v2"], openapi_extra=_INFER_BODY)
 
 
 class _Routes:
@@ -135,14 +156,15 @@ class _Routes:
             return _error(404, f"unknown model '{name}'")
         return {"name": name, "ready": True}
 
-    async def infer(self, name: str, request: Request, body: InferRequest) -> Any:
+    async def infer(self, name: str, request: Request) -> Any:
         if not NAME_PATTERN.match(name):
             return _error(400, "model name must be letters, digits, '_' or '-'")
         model = self.models.get(name)
         if model is None:
             return _error(404, f"unknown model '{name}'")
         try:
-            tensor = decode_input(model, body)
+            body, blobs = read_infer_body(await request.body(), request.headers.get(HEADER_LENGTH))
+            tensor = decode_input(model, body, blobs)
         except ValueError as exc:
             return _error(400, str(exc))
         try:
@@ -150,11 +172,69 @@ class _Routes:
                                              request_id_of(request))
         except EmberError as err:
             return _error(err.status_code, str(err), err.headers())
-        return {"model_name": model.name, "model_version": model.version, "id": body.id or "",
-                "outputs": [encode_output(model.output, output)]}
+        head = {"model_name": model.name, "model_version": model.version, "id": body.id or ""}
+        if not wants_binary_output(body, model.output.name):
+            return {**head, "outputs": [encode_output(model.output, output)]}
+        entry, raw = encode_binary_output(model.output, output)
+        header = json.dumps({**head, "outputs": [entry]}).encode()
+        return Response(header + raw, media_type="application/octet-stream",
+                        headers={HEADER_LENGTH: str(len(header))})
 
 
-def decode_input(model: TensorModel, body: InferRequest) -> Any:
+#: The body's schema in OpenAPI (the route reads the body itself, for the binary extension).
+_INFER_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": InferRequest.model_json_schema()}}}}
+
+
+def read_infer_body(raw: bytes, header_length: str | None) -> tuple[InferRequest, bytes]:
+    """The JSON part of an infer body, and the binary tensor bytes after it (if any).
+
+    Raises:
+        ValueError: the header length or the JSON is malformed, or the JSON is not an
+            inference request.
+    """
+    size = len(raw)
+    if header_length is not None:
+        if not header_length.isdigit() or not 0 < int(header_length) <= len(raw):
+            raise ValueError(f"{HEADER_LENGTH} must be a byte count within the body "
+                             f"({len(raw)} bytes), got {header_length!r}")
+        size = int(header_length)
+    try:
+        return InferRequest.model_validate(parse_json(raw[:size])), raw[size:]
+    except EmberError as exc:
+        raise ValueError(str(exc)) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"invalid inference request: {where}: {first['msg']}") from None
+
+
+def wants_binary_output(body: InferRequest, name: str) -> bool:
+    """Whether the caller asked for the output as raw bytes (Triton's binary extension)."""
+    asked = next((o for o in body.outputs if o.name == name), None)
+    if asked is not None and "binary_data" in asked.parameters:
+        return bool(asked.parameters["binary_data"])
+    return bool(body.parameters.get("binary_data_output", False))
+
+
+def encode_binary_output(spec: TensorSpec, tensor: Any) -> tuple[dict[str, Any], bytes]:
+    """An output's JSON entry (with ``binary_data_size``) and its raw little-endian bytes."""
+    raw = tensor.detach().cpu().contiguous().numpy().astype(_numpy_dtype(spec.datatype)).tobytes()
+    entry = {"name": spec.name, "datatype": spec.datatype, "shape": list(tensor.shape),
+             "parameters": {"binary_data_size": len(raw)}}
+    return entry, raw
+
+
+def _numpy_dtype(datatype: str) -> str:
+    # Little-endian, as the extension specifies; BOOL is one byte per value.
+    return "?" if datatype == "BOOL" else "<" + _NUMPY[datatype]
+
+
+_NUMPY = {"FP32": "f4", "FP64": "f8", "FP16": "f2", "INT64": "i8", "INT32": "i4",
+          "INT16": "i2", "INT8": "i1", "UINT8": "u1"}
+
+
+def decode_input(model: TensorModel, body: InferRequest, blobs: bytes = b"") -> Any:
     """The request's tensor, checked against the model's signature.
 
     Raises:
@@ -172,6 +252,11 @@ def decode_input(model: TensorModel, body: InferRequest) -> Any:
     ) or any(dim < 1 for dim in given.shape):
         raise ValueError(f"input '{given.name}' must have shape {list(spec.shape)}, "
                          f"got {given.shape}")
+    if given.data is None:
+        return _decode_binary(given, blobs)
+    if blobs:
+        raise ValueError(f"{len(blobs)} bytes of binary data follow the JSON, but input "
+                         f"'{given.name}' has its data inline")
     flat = _flatten(given.data)
     if len(flat) != math.prod(given.shape):
         raise ValueError(f"input '{given.name}' has {len(flat)} values for shape {given.shape}")
@@ -180,6 +265,23 @@ def decode_input(model: TensorModel, body: InferRequest) -> Any:
         return torch.tensor(flat, dtype=dtype).reshape(given.shape)
     except (TypeError, RuntimeError) as exc:
         raise ValueError(f"input '{given.name}' data is not {spec.datatype}: {exc}") from None
+
+
+def _decode_binary(given: InferInput, blobs: bytes) -> Any:
+    """An input sent as raw bytes after the JSON header."""
+    import numpy as np
+    import torch
+
+    size = given.parameters.get("binary_data_size")
+    want = math.prod(given.shape) * np.dtype(_numpy_dtype(given.datatype)).itemsize
+    if not isinstance(size, int) or size != len(blobs) or size != want:
+        raise ValueError(f"input '{given.name}' has no data: send 'data', or "
+                         f"binary_data_size={want} ({given.datatype} x {given.shape}) with "
+                         f"exactly that many bytes after the JSON (got {size!r} and "
+                         f"{len(blobs)} bytes)")
+    array = np.frombuffer(blobs, dtype=_numpy_dtype(given.datatype)).astype(
+        _numpy_dtype(given.datatype)[1:] if given.datatype != "BOOL" else "?")
+    return torch.from_numpy(array.copy()).reshape(given.shape)
 
 
 def encode_output(spec: TensorSpec, tensor: Any) -> dict[str, Any]:
