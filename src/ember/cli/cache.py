@@ -20,6 +20,16 @@ from ember.loaders import CacheEntry, LoaderConfig, NodeTier, preload_snapshot, 
 _KEY = re.compile(r"^[0-9a-f]{8,64}$")
 
 
+def add_cache_dir_option(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir``, shared by every command that reads this node's cache."""
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="node cache directory (default: EMBER_CACHE_DIR or ~/.cache/ember)",
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``cache`` command and its subcommands to ``subparsers``.
 
@@ -34,12 +44,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         'cmd_ls'
     """
     cache = subparsers.add_parser("cache", help="manage the weights cache")
-    cache.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="node cache directory (default: EMBER_CACHE_DIR or ~/.cache/ember)",
-    )
+    add_cache_dir_option(cache)
     sub = cache.add_subparsers(dest="cache_command", required=True)
     warm = sub.add_parser("warm", help="prefetch a URL into the regional and node caches")
     warm.add_argument("url")

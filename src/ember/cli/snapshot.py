@@ -12,8 +12,8 @@ import json
 import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
+from ember.cli.cache import add_cache_dir_option
 from ember.errors import EmberError
 from ember.loaders import (
     LoaderConfig,
@@ -40,12 +40,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         'cmd_drop'
     """
     snap = subparsers.add_parser("snapshot", help="manage weight snapshots on this node")
-    snap.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="node cache directory (default: EMBER_CACHE_DIR or ~/.cache/ember)",
-    )
+    add_cache_dir_option(snap)
     sub = snap.add_subparsers(dest="snapshot_command", required=True)
     ls = sub.add_parser("ls", help="list snapshots: size, bytes in the page cache, last use")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
+
 from ember.errors import EmberError, SourceError
 from ember.loaders._error_records import rebuild_error
 
@@ -57,16 +59,6 @@ def read_lease(path: Path) -> LeaseInfo | None:
         return LeaseInfo(str(doc["token"]), int(doc["pid"]), str(doc["host"]))
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -159,7 +151,7 @@ def _stale(path: Path, info: LeaseInfo | None, timeout_s: float) -> bool:
         age_s = time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
         return False
-    if info is not None and info.host == _HOST and not _pid_alive(info.pid):
+    if info is not None and info.host == _HOST and not psutil.pid_exists(info.pid):
         return True
     return age_s > timeout_s
 

@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from ember.errors import CacheFull, IntegrityError, UnsafePath
 from ember.loaders._config import LoaderConfig
 from ember.loaders._lease import write_atomic
@@ -245,7 +247,7 @@ class NodeTier(CacheTier):
                 age_s = time.time() - tmp.stat().st_mtime
             except (ValueError, OSError):
                 continue
-            dead = host == _HOST and not _alive(pid)
+            dead = host == _HOST and not psutil.pid_exists(pid)
             if dead or age_s > max(10 * self.config.lease_timeout_s, 600.0):
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
@@ -288,16 +290,6 @@ class NodeTier(CacheTier):
             with contextlib.suppress(FileNotFoundError):
                 link.unlink()
         return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: Path) -> None:
