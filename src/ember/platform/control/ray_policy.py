@@ -8,7 +8,9 @@ Ray 2.60 wraps every custom policy with a "cold start fast path" that, while a d
 has no *running* replica, asks for ``max(1, current target)`` replicas and never consults
 the policy: a burst of 20 requests at zero starts one replica and waits for it before the
 policy may add more. Ember's whole point is to start what the queue needs in one decision,
-so importing this module narrows that fast path to deployments that are not Ember's.
+so this module narrows that fast path to deployments that are not Ember's. The hook is
+installed when the policy is constructed, in the controller: Ray may ship the policy class
+by value (cloudpickle), in which case this module's import-time code never runs there.
 The unit tests in ``tests/unit/test_ray_policy.py`` run Ray's own wrapper and fail if a Ray
 upgrade moves the hook.
 """
@@ -58,6 +60,7 @@ class EmberAutoscalingPolicy:
     def __init__(self, *, scaledown_after_s: float, target_queue_depth: float,
                  warm_schedule: list[str] | None = None, warm_schedule_tz: str = "UTC",
                  scheduled_floor: int = 1) -> None:
+        _install_cold_start_hook()  # here, in the controller process (see the module doc)
         self.scaledown_after_s = scaledown_after_s
         self.target_queue_depth = target_queue_depth
         self.windows = floors.parse_schedule(warm_schedule or [])
