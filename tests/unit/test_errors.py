@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -66,7 +67,7 @@ def test_ember_error_maps_to_status_and_shape() -> None:
 def test_guard_refuses_declared_and_streamed_oversize_bodies() -> None:
     assert asyncio.run(_call("POST", "/boom", content=b"x" * 17)).status_code == 413
 
-    async def stream():  # type: ignore[no-untyped-def]
+    async def stream() -> AsyncIterator[bytes]:
         for _ in range(5):
             yield b"abcd"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pydantic
@@ -44,7 +44,7 @@ def test_folder_with_only_pickle_weights_is_refused(tmp_path: Path, config: Load
         load(tmp_path.as_uri(), config=config)
 
 
-def _shard(write_file: Writer, tmp_path: Path, index: dict[str, object]) -> Path:
+def _shard(write_file: Writer, tmp_path: Path, index: Mapping[str, object]) -> Path:
     write_file({"a": torch.ones(3), "b": torch.zeros(2)}, "model-00001-of-00002.safetensors")
     write_file({"c": torch.arange(4)}, "model-00002-of-00002.safetensors")
     path = tmp_path / "origin" / "model.safetensors.index.json"
