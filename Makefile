@@ -29,9 +29,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
 
+# Every benchmark, one after another, in its quick form (about 1-3 minutes each); results in
+# bench/results/<name>.short.json. Full runs (README's figures): bench/run_all.py without --short.
 bench: $(STAMP)
-	$(BIN)/python bench/core_bench.py
-	$(BIN)/python bench/loaders_bench.py
+	$(BIN)/python bench/run_all.py --short
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

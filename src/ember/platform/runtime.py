@@ -34,7 +34,7 @@ DEFAULT_PORT = 8000
 
 #: Ray Serve's in-process throughput settings (part of its ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
 #: mode), set for the clusters Ember starts. Measured on 2 cores with MiniLM at concurrency 32
-#: (``bench/batching_bench.py``): 10-30% more requests per second, because each request
+#: (``bench/throughput.py``): 10-30% more requests per second, because each request
 #: costs less CPU in Serve's proxy, the ingress and the replicas. Ember's replica methods are
 #: async and run sync user code in worker threads, so user code may share the replica's event
 #: loop. The rest of that mode (direct ingress, HAProxy) is left off: HAProxy listens on every

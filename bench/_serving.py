@@ -1,0 +1,211 @@
+"""Ray Serve pieces the serving benchmarks share: the cluster, deployments, replica states.
+
+Everything listens on 127.0.0.1. Serve's controller, proxy and every app log at WARNING
+without access logs, Ember and plain Ray Serve alike. The plain Ray Serve peers scale from
+zero with Ray's default up-path timers ("default") or with every timer at its fastest
+("shrunk"); see :func:`plain_autoscaling`.
+
+Replicas started by a benchmark leave "marks" (when their process started, when their
+constructor or ``setup`` began, when it ended) as files in ``BENCH_MARKS_DIR``, which the
+driver sets before Ray starts so that every local worker inherits it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psutil
+from _harness import HOST, Deadline, wait_until
+
+F = TypeVar("F", bound=Callable[..., Any])
+LOGGING = {"log_level": "WARNING", "enable_access_log": False}
+SCALEDOWN_S = 2.0  # Ember variants and the peers' down path: back to zero between trials
+REPLICA_CPUS = 0.5  # Ray accounting per measured replica, so that a 2-core node holds them
+os.environ.setdefault("BENCH_MARKS_DIR",
+                      str(Path(tempfile.gettempdir()) / f"bench-marks-{os.getpid()}"))
+MARK_KEYS = ("process_start", "init_start", "setup_done")
+#: Operator settings that would skew a benchmark that fixes them itself.
+OVERRIDES = ("EMBER_SCALEDOWN_AFTER_S", "EMBER_WARM_POOL", "EMBER_API_KEYS",
+             "EMBER_API_KEYS_FILE", "EMBER_RATE_LIMIT_RPS", "EMBER_RATE_LIMIT_BURST")
+
+
+def clear_overrides() -> None:
+    """Drop operator settings (:data:`OVERRIDES`) the benchmarks fix themselves."""
+    for name in OVERRIDES:
+        os.environ.pop(name, None)
+
+
+def resolved_hints(fn: F) -> F:
+    """Replace string annotations (``from __future__``) by the objects they name.
+
+    Ray pickles a script's classes by value; an unpickled copy of a method keeps only the
+    globals its code uses, so neither FastAPI in a replica nor a later decorator here could
+    resolve ``"list[str]"``-style annotations any more.
+    """
+    fn.__annotations__ = typing.get_type_hints(fn, include_extras=True)
+    return fn
+
+
+def shipped_options(cls: type, **changes: Any) -> dict[str, Any]:
+    """The ``@ember.deployment`` options ``cls`` ships with, with ``changes``."""
+    from ember.platform.decorator import get_spec
+
+    shipped = get_spec(cls).options
+    options = {key: getattr(shipped, key) for key in type(shipped).model_fields}
+    options.update(changes)
+    return options
+
+
+def plain_autoscaling(shrunk: bool) -> dict[str, Any]:
+    """Autoscaling of a plain Ray Serve peer: from zero, at most two replicas.
+
+    Ray's default ``downscale_delay_s`` is 600 s, so only the down path (not measured) is
+    set small in both; ``upscale_delay_s``, ``metrics_interval_s`` and
+    ``look_back_period_s`` keep Ray's defaults unless ``shrunk`` sets them to the fastest.
+    """
+    config: dict[str, Any] = {"min_replicas": 0, "max_replicas": 2, "initial_replicas": 0,
+                              "downscale_delay_s": SCALEDOWN_S,
+                              "downscale_to_zero_delay_s": SCALEDOWN_S}
+    if shrunk:
+        config.update(upscale_delay_s=0.0, metrics_interval_s=0.1, look_back_period_s=0.2)
+    return config
+
+
+def start_serve(port: int) -> str:
+    """Start Ray through Ember and Serve on ``127.0.0.1:port``; the base URL."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from ember.platform.runtime import start_ray
+
+    start_ray()
+    serve.start(http_options=HTTPOptions(host=HOST, port=port), proxy_location="HeadOnly",
+                logging_config=LOGGING)
+    return f"http://{HOST}:{port}"
+
+
+def deploy_ember(app: Any, deadline: Deadline, pool_settle_s: float = 1.5) -> None:
+    """Deploy Ember ``app`` at ``/`` and wait until it runs (and its warm pool, if any)."""
+    from ray import serve
+
+    from ember.platform.control.pool import POOL_DEPLOYMENT
+    from ember.platform.runtime import build_application
+
+    serve.run(build_application(app), name=app.name, route_prefix="/", blocking=False,
+              logging_config=LOGGING)
+    wait_until(lambda: app_status(app.name) == "RUNNING", f"{app.name} running", deadline)
+    if app.warm_pool:
+        wait_until(lambda: replica_states(app.name, POOL_DEPLOYMENT).get("RUNNING", 0) >= 1,
+                   "the warm pool", deadline)
+        time.sleep(pool_settle_s)  # the ingress polls replica states every 0.5-1 s
+
+
+def deploy_plain(bound: Any, app: str, prefix: str) -> None:
+    """Deploy a plain Ray Serve application (already bound) at ``prefix``."""
+    from ray import serve
+
+    serve.run(bound, name=app, route_prefix=prefix, blocking=False, logging_config=LOGGING)
+
+
+def replica_states(app: str, deployment: str) -> dict[str, int]:
+    """Replica count per state of ``deployment`` in ``app`` (empty if it does not exist)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or deployment not in status.deployments:
+        return {}
+    states = status.deployments[deployment].replica_states
+    return {str(getattr(k, "value", k)): int(v) for k, v in states.items()}
+
+
+def replicas(app: str, deployment: str) -> int:
+    """Replicas of ``deployment`` in any state."""
+    return sum(replica_states(app, deployment).values())
+
+
+def app_status(app: str) -> str | None:
+    """``RUNNING``, ``DEPLOYING``... of ``app``, None if it is not deployed."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    return None if status is None else str(getattr(status.status, "value", status.status))
+
+
+def ingress_view(base_url: str, deployment: str) -> int | None:
+    """Running + starting replicas of ``deployment`` as Ember's ingress sees them."""
+    try:
+        reply = httpx.get(f"{base_url}/-/status", timeout=5)
+        reply.raise_for_status()
+        loads = reply.json()["deployments"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    for load in loads:
+        if load["deployment"] == deployment:
+            return int(load["replicas_running"]) + int(load["replicas_starting"])
+    return None
+
+
+def wait_woken(app: str, deployment: str, deadline: Deadline, cap_s: float = 15.0) -> None:
+    """After a pool-served request: let the own replica it woke show up (a later wait for
+    zero then sees it scale down), so that it does not start during the next trial."""
+    try:
+        wait_until(lambda: replicas(app, deployment) > 0, f"{deployment}'s own replica",
+                   deadline, cap_s=cap_s)
+    except RuntimeError:
+        print(f"  note: no own replica of {deployment} seen after a pool answer", flush=True)
+
+
+def cold_header(reply: httpx.Response) -> tuple[str | None, dict[str, float]]:
+    """``X-Ember-Cold-Start`` of ``reply`` -> (path, phases in seconds, with ``total``)."""
+    value = reply.headers.get("x-ember-cold-start")
+    if not value:
+        return None, {}
+    parts = dict(part.split("=", 1) for part in value.split(";") if "=" in part)
+    path = parts.pop("path", None)
+    return path, {k: float(v) / 1000.0 for k, v in parts.items()}
+
+
+def write_mark(deployment: str, init_start: float) -> None:
+    """In a replica: when its process started, its setup began (imports done) and ended."""
+    mark = {"process_start": psutil.Process().create_time(), "init_start": init_start,
+            "setup_done": time.time()}
+    marks = Path(os.environ["BENCH_MARKS_DIR"])
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / f"{deployment}-{os.getpid()}.json").write_text(json.dumps(mark))
+
+
+def marks_since(deployment: str, sent: float) -> dict[str, float]:
+    """Seconds after ``sent`` of the first replica of ``deployment`` set up after it.
+
+    A negative process start means Ray reused a worker started earlier. Only replicas on
+    this host leave marks; none gives an empty dict.
+    """
+    marks_dir = Path(os.environ["BENCH_MARKS_DIR"])
+    marks = [json.loads(p.read_text()) for p in marks_dir.glob(f"{deployment}-*.json")]
+    fresh = [m for m in marks if m["init_start"] >= sent]
+    if not fresh:
+        return {}
+    mark = min(fresh, key=lambda m: m["init_start"])
+    return {k: mark[k] - sent for k in MARK_KEYS}
+
+
+def shutdown() -> None:
+    """Stop Serve and the local Ray cluster this process started; drop the marks."""
+    import ray
+
+    import ember
+
+    try:
+        if ray.is_initialized():
+            ember.shutdown()
+    finally:
+        shutil.rmtree(os.environ["BENCH_MARKS_DIR"], ignore_errors=True)
