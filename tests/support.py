@@ -1,4 +1,4 @@
-"""Helpers shared by the test layers (on sys.path through pytest's ``pythonpath``)."""
+"""Helpers shared by the test layers (on ``sys.path`` through pytest's ``pythonpath``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.2,
+def wait_for(predicate: Callable[[], T | None], timeout_s: float, interval_s: float = 0.2,
              what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
+    """Poll ``predicate`` until it returns a truthy value and return that value.
+
+    Fails the test after ``timeout_s`` seconds.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -40,3 +43,29 @@ def deployment_status(url: str, name: str) -> dict[str, Any]:
         if row["deployment"] == name:
             return dict(row)
     raise KeyError(name)
+
+
+def replicas_up(url: str, name: str) -> int:
+    """Replicas of ``name`` running or starting, as ``/-/status`` reports them."""
+    row = deployment_status(url, name)
+    return int(row["replicas_running"]) + int(row["replicas_starting"])
+
+
+def wait_for_scale_down(url: str, name: str, *, to: int, timeout_s: float,
+                        wake: Callable[[], object] | None = None) -> None:
+    """Fail unless ``name`` is seen above ``to`` replicas and then seen at ``to``.
+
+    A deployment that is already at ``to`` (never started, or status not yet polled) does
+    not pass: the count must be observed going down. ``wake`` (say, one request) is called
+    before each look until the deployment is seen above ``to``.
+    """
+
+    def above() -> bool:
+        if wake is not None:
+            wake()
+        return replicas_up(url, name) > to
+
+    wait_for(above, timeout_s, what=f"{name} above {to} replica(s) before it scales down",
+             interval_s=0.1)
+    wait_for(lambda: replicas_up(url, name) == to, timeout_s,
+             what=f"{name} to scale down to {to} replica(s)")

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
-from support import free_port, wait_for
+from support import free_port, wait_for, wait_for_scale_down
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBER = Path(sys.executable).with_name("ember")
@@ -45,8 +46,12 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
                                 text=True, timeout=60, check=True)
         assert "SeedMLP" in status.stdout
-        wait_for(lambda: _running(url) == 0, 60, what="scale to zero")
+        # See SeedMLP's own replica (a request at zero is served by the warm pool and starts
+        # one), then see it gone: EMBER_SCALEDOWN_AFTER_S=2 takes it back to zero.
+        wait_for_scale_down(url, "SeedMLP", to=0, timeout_s=90, wake=lambda: httpx.post(
+            f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120).raise_for_status())
         again = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
+        assert "x-ember-cold-start" in again.headers  # it met zero replicas
         assert again.json() == reply.json()  # the same weights after a cold start
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -59,14 +64,28 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
     assert "Shutting down" in Path(log.name).read_text()
 
 
-def _running(url: str) -> int:
-    rows = httpx.get(f"{url}/-/status", timeout=10).json()["deployments"]
-    return int(rows[0]["replicas_running"]) + int(rows[0]["replicas_starting"])
+def test_bad_target_is_a_clear_error(tmp_path: Path) -> None:
+    ray_tmp = tmp_path / "ray"  # where a local Ray would write its session, if one started
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:nothing"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "has no attribute 'nothing'" in stderr
+    # Nothing was started: no process of the command's session outlives it, and no Ray
+    # session was ever created; the command failed before Ray.
+    wait_for(lambda: not _session_members(proc.pid), 30,
+             what="every process the command started to exit")
+    assert not ray_tmp.exists(), sorted(p.name for p in ray_tmp.rglob("*"))[:20]
 
 
-def test_bad_target_is_a_clear_error() -> None:
-    out = subprocess.run([str(EMBER), "run", "examples/mlp_app.py:nothing"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "has no attribute 'nothing'" in out.stderr
-    time.sleep(0)  # nothing was started: the command fails before Ray
+def _session_members(session_id: int) -> list[psutil.Process]:
+    """Live processes of the session ``session_id`` (the command ran as its leader)."""
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(process.pid) == session_id and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+    return members

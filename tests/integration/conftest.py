@@ -1,19 +1,25 @@
-"""One local Ray cluster per test session, shut down at the end; one Serve HTTP port."""
+"""One local Ray cluster per test session, one Serve HTTP port, one way to serve an app."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 
 import pytest
 
+import ember
+
+from serving import ServeApp, served
 from support import free_port
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     from ember.platform import runtime
 
+    # Set before Ray starts so that every worker inherits it (see apps/faults.py).
+    os.environ["EMBER_TEST_STATE_DIR"] = str(tmp_path_factory.mktemp("replica-state"))
     # Fractional CPUs: every test deployment asks for 0.1-0.25 CPU on this 2-core machine.
     runtime.start_ray(num_cpus=4)
     yield
@@ -29,3 +35,14 @@ def serve_port(ray_cluster: None) -> int:
     os.environ["EMBER_PORT"] = str(port)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), proxy_location="HeadOnly")
     return port
+
+
+@pytest.fixture(scope="session")
+def serve_app(serve_port: int) -> ServeApp:
+    """Serve an app for as long as a ``with`` block: ``with serve_app(app) as url: ...``."""
+
+    def serve(app: ember.App, *, ready_timeout_s: float = 90,
+              env: Mapping[str, str] | None = None) -> AbstractContextManager[str]:
+        return served(app, serve_port, ready_timeout_s=ready_timeout_s, env=env)
+
+    return serve

@@ -7,28 +7,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-import ember
-
-import feature_apps
-from support import wait_for
+from apps import features
+from serving import ServeApp
 
 pytestmark = pytest.mark.cluster
 
 KEY = "test-key-0123456789abcdef"
+#: Read by the ingress when the app is deployed.
+ENV = {"EMBER_API_KEYS": f"{KEY},another-key-0123456789", "EMBER_RATE_LIMIT_RPS": "2",
+       "EMBER_RATE_LIMIT_BURST": "6"}
 
 
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("EMBER_API_KEYS", f"{KEY},another-key-0123456789")
-        env.setenv("EMBER_RATE_LIMIT_RPS", "2")
-        env.setenv("EMBER_RATE_LIMIT_BURST", "6")
-        base = ember.serve(feature_apps.app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
-    yield base
-    serve.delete(feature_apps.app.name)
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(features.app, env=ENV) as base:
+        yield base
 
 
 def _every_route(url: str) -> list[tuple[str, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,22 +11,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-import ember
-
-import core_apps
-from support import deployment_status, wait_for
+from apps import core
+from serving import ControllerWatch, ServeApp
+from support import deployment_status, wait_for, wait_for_scale_down
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    base = ember.serve(core_apps.app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 60, what="ready")
-    yield base
-    serve.delete(core_apps.app.name)
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(core.app, ready_timeout_s=60) as base:
+        yield base
 
 
 def test_echo_round_trip(url: str) -> None:
@@ -132,31 +128,50 @@ def test_floor_is_respected_when_idle(url: str) -> None:
     assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
 
 
-def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
-    httpx.post(f"{url}/cold", json={"item": -1, "seconds": 0}, timeout=60)
-    wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 0, 40,
-             what="Cold to scale to zero")
-    peak = 0
+def _cold_at_zero(url: str) -> None:
+    """Wake Cold, then see it scale back down to zero replicas."""
+    wait_for_scale_down(url, "Cold", to=0, timeout_s=40, wake=lambda: httpx.post(
+        f"{url}/cold", json={"item": -1, "seconds": 0}, timeout=60).raise_for_status())
 
-    async def burst() -> list[httpx.Response]:
-        nonlocal peak
+
+def _burst(url: str, n: int) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=90) as client:
-            calls = [client.post(f"{url}/cold", json={"item": i}) for i in range(20)]
-            tasks = [asyncio.ensure_future(c) for c in calls]
-            while not all(t.done() for t in tasks):
-                status = deployment_status(url, "Cold")
-                peak = max(peak, status["replicas_running"] + status["replicas_starting"])
-                await asyncio.sleep(0.2)
-            return [t.result() for t in tasks]
+            return await asyncio.gather(*(client.post(f"{url}/cold", json={"item": i})
+                                          for i in range(n)))
 
-    replies = asyncio.run(burst())
+    return asyncio.run(run())
+
+
+def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
+    _cold_at_zero(url)
+    replies = _burst(url, 20)
     assert [r.status_code for r in replies] == [200] * 20
     assert sorted(r.json()["item"] for r in replies) == list(range(20))
-    # 20 queued at target depth 2: the policy asks for the cap (4) at once, not one replica.
-    assert peak >= 2, f"only {peak} replica(s) started for a burst of 20"
     status = deployment_status(url, "Cold")
     assert status["last_cold_start"] is not None
     assert status["cold_starts"] >= 1
+
+
+def test_burst_at_zero_asks_for_its_replicas_at_once(url: str) -> None:
+    n, options = 20, core.app.spec("Cold").options
+    promised = min(math.ceil(n / options.target_queue_depth), options.max_replicas)
+    _cold_at_zero(url)
+    with ControllerWatch(core.app.name, "Cold") as watch:
+        replies = _burst(url, n)
+    assert [r.status_code for r in replies] == [200] * n
+    first_running = watch.first("RUNNING")
+    assert first_running is not None, "no sample saw a running replica of Cold"
+    before = [s for s in watch.samples if s.at < first_running.at]
+    asked = max(s.target for s in before)
+    # One decision, before any replica could serve: what the queue needs, capped.
+    assert asked == promised, (
+        f"while no replica of Cold ran, the controller asked for {asked} replica(s) for "
+        f"{n} queued requests; the policy promises min(ceil({n}/"
+        f"{options.target_queue_depth:g}), {options.max_replicas}) = {promised}")
+    assert max(s.target for s in watch.samples) <= options.max_replicas
+    peak = max(s.count("STARTING", "RUNNING") for s in watch.samples)
+    assert peak == promised, f"{peak} replica(s) started, {promised} promised"
 
 
 def test_metrics_exported(url: str) -> None:

@@ -10,11 +10,10 @@ import openai
 import pytest
 import torch
 
-import ember
 from ember.deployments import embeddings
 from ember.deployments._minilm import Tokenizer, embed, find_model_files
 
-from support import wait_for
+from serving import ServeApp
 
 pytestmark = pytest.mark.cluster
 
@@ -28,19 +27,10 @@ def reference() -> torch.Tensor:
     return embed(model, Tokenizer(find_model_files().tokenizer), TEXTS)
 
 
-def _serve(app: ember.App, port: int) -> str:
-    base = ember.serve(app, port=port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 120,
-             what="ready")
-    return base
-
-
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    yield _serve(embeddings.app, serve_port)
-    serve.delete(embeddings.app.name)
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(embeddings.app, ready_timeout_s=120) as base:
+        yield base
 
 
 def _cosines(got: list[list[float]], want: torch.Tensor) -> list[float]:
@@ -79,16 +69,14 @@ def test_concurrent_callers_each_get_their_own_vector(url: str,
         assert _cosines([got], reference[i % 4 : i % 4 + 1])[0] >= 0.9999
 
 
-def test_pipeline_app_gives_the_same_embeddings(serve_port: int, url: str,
+def test_pipeline_app_gives_the_same_embeddings(serve_app: ServeApp, url: str,
                                                 reference: torch.Tensor) -> None:
     from ray import serve
 
+    # Both apps route /embed at the root: the module's app makes way (it is the last test).
     serve.delete(embeddings.app.name)
-    base = _serve(embeddings.pipeline_app, serve_port)
-    try:
+    with serve_app(embeddings.pipeline_app, ready_timeout_s=120) as base:
         reply = httpx.post(f"{base}/embed", json=TEXTS, timeout=180)
-        assert reply.status_code == 200, reply.text
-        got = [b["embedding"] for b in reply.json()]
-        assert all(c >= 0.9999 for c in _cosines(got, reference))
-    finally:
-        serve.delete(embeddings.pipeline_app.name)
+    assert reply.status_code == 200, reply.text
+    got = [b["embedding"] for b in reply.json()]
+    assert all(c >= 0.9999 for c in _cosines(got, reference))

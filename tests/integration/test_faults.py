@@ -7,38 +7,27 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-import ember
-
-import fault_apps
+from apps import faults
+from serving import ControllerWatch, ServeApp, cluster_log_lines
 from support import deployment_status, wait_for
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    fault_apps.SICK_FLAG.unlink(missing_ok=True)
-    fault_apps.STARTED_MARKER.unlink(missing_ok=True)
-    base = ember.serve(fault_apps.app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
-    yield base
-    serve.delete(fault_apps.app.name)
-    fault_apps.SICK_FLAG.unlink(missing_ok=True)
-
-
-def _burst(url: str, path: str, n: int, seconds: float) -> list[httpx.Response]:
-    async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(client.post(f"{url}{path}", json={"seconds": seconds})
-                                          for _ in range(n)))
-
-    return asyncio.run(run())
+def url(serve_app: ServeApp) -> Iterator[str]:
+    faults.sick_flag().unlink(missing_ok=True)
+    faults.started_marker().unlink(missing_ok=True)
+    try:
+        with serve_app(faults.app) as base:
+            yield base
+    finally:
+        faults.sick_flag().unlink(missing_ok=True)
 
 
 def _two_pids(url: str) -> set[int] | None:
@@ -46,25 +35,47 @@ def _two_pids(url: str) -> set[int] | None:
     return pids if len(pids) == 2 else None
 
 
-def test_killed_replica_loses_no_request_and_is_replaced(url: str) -> None:
+def _journal(directory: Path) -> dict[str, set[int]]:
+    """Which replica processes started each tagged request (see ``faults.TaggedWork``)."""
+    started: dict[str, set[int]] = {}
+    for entry in directory.iterdir():
+        tag, pid = entry.name.split("@")
+        started.setdefault(tag, set()).add(int(pid))
+    return started
+
+
+def test_killed_replica_loses_no_request_and_is_replaced(url: str, tmp_path: Path) -> None:
     pids = wait_for(lambda: _two_pids(url), 30, what="2 replicas")
     victim = sorted(pids)[0]
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
-            calls = [asyncio.ensure_future(client.post(f"{url}/fragile", json={"seconds": 1.5}))
-                     for _ in range(10)]
+            calls = [asyncio.ensure_future(client.post(f"{url}/fragile", json={
+                "seconds": 1.5, "tag": str(i), "journal": str(tmp_path)})) for i in range(10)]
             await asyncio.sleep(0.5)  # requests are in flight on both replicas
             os.kill(victim, signal.SIGKILL)
             return await asyncio.gather(*calls)
 
     replies = asyncio.run(run())
     assert [r.status_code for r in replies] == [200] * 10, [r.text for r in replies]
-    assert all(r.json()["pid"] != victim for r in replies)
-    started = time.monotonic()
+    started = _journal(tmp_path)
+    lost = [i for i in range(10) if victim in started.get(str(i), set())]
+    assert lost, f"no request was in flight on the killed replica {victim}: {started}"
+    for i in lost:
+        # Started on the victim, answered by another replica: it ran a second time there.
+        assert replies[i].json()["pid"] != victim
+        assert started[str(i)] - {victim}, f"request {i} never started again: {started}"
+    # The retry is Ember's: its dispatcher logs one per request that lost its replica.
+    lost_ids = {replies[i].headers["x-request-id"] for i in lost}
+    wait_for(lambda: lost_ids <= _retried_request_ids(lost_ids), 30,
+             what=f"the dispatcher's retry log lines for {sorted(lost_ids)}")
     wait_for(lambda: deployment_status(url, "Fragile")["replicas_running"] == 2, 30,
              what="a replacement replica")
-    assert time.monotonic() - started < 30
+
+
+def _retried_request_ids(candidates: set[str]) -> set[str]:
+    lines = cluster_log_lines("replica of Fragile lost; retrying once")
+    return {rid for rid in candidates if any(f"request {rid}:" in line for line in lines)}
 
 
 def test_scale_down_drains_in_flight_requests(url: str) -> None:
@@ -75,29 +86,42 @@ def test_scale_down_drains_in_flight_requests(url: str) -> None:
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
-            calls = [asyncio.ensure_future(client.post(f"{url}/drain", json={"seconds": 2.0}))
+            # Long enough that the lease's end (read every second) and Drainer's quiet
+            # window (0.5 s) both pass while every request is still running.
+            calls = [asyncio.ensure_future(client.post(f"{url}/drain", json={"seconds": 6.0}))
                      for _ in range(10)]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.5)
             # Lease gone, demand is one replica's worth: Ember scales 2 -> 1 mid-flight.
             await client.delete(f"{url}/-/warm/Drainer")
             return await asyncio.gather(*calls)
 
-    replies = asyncio.run(run())
-    assert [r.status_code for r in replies] == [200] * 10
-    assert len({r.json()["pid"] for r in replies}) == 2  # both replicas held requests
-    wait_for(lambda: deployment_status(url, "Drainer")["replicas_running"] <= 1, 60,
-             what="the scale-down")
+    with ControllerWatch(faults.app.name, "Drainer", interval_s=0.1) as watch:
+        replies = asyncio.run(run())
+        wait_for(lambda: watch.samples[-1].count("RUNNING", "STOPPING") == 1, 60,
+                 what="the stopping replica of Drainer to be gone")
+    assert [r.status_code for r in replies] == [200] * 10, [r.text for r in replies]
+    served = [faults.Served.model_validate(r.json()) for r in replies]
+    assert len({s.pid for s in served}) == 2  # both replicas held requests
+    stopping = watch.first("STOPPING")
+    assert stopping is not None, "the controller never showed a replica of Drainer stopping"
+    [victim] = stopping.pids("STOPPING")
+    # The replica was being removed while requests it had started were still running,
+    # and they still came back 200.
+    drained = [s for s in served if s.pid == victim and s.started < stopping.at < s.finished]
+    assert drained, (f"replica {victim} was seen stopping at {stopping.at:.2f}, after its "
+                     f"requests ended: {[(s.started, s.finished) for s in served]}")
+    assert victim not in watch.samples[-1].pids("RUNNING", "STOPPING")  # and then gone
 
 
 def test_sick_replica_is_replaced(url: str) -> None:
     first = httpx.post(f"{url}/sickly", json={}, timeout=30).json()["pid"]
-    fault_apps.SICK_FLAG.write_text("sick")
+    faults.sick_flag().write_text("sick")
     try:
         # Failed health checks take the replica out of service...
         wait_for(lambda: deployment_status(url, "Sickly")["replicas_running"] == 0, 60,
                  what="the sick replica to be taken out")
     finally:
-        fault_apps.SICK_FLAG.unlink(missing_ok=True)
+        faults.sick_flag().unlink(missing_ok=True)
     # ...and a replacement that passes its checks serves again.
     second = wait_for(lambda: _sickly_pid(url), 90, what="a healthy replacement")
     assert second != first

@@ -6,32 +6,27 @@ import asyncio
 import base64
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-import ember
-
-import feature_apps
+from apps import features
+from serving import ServeApp
 from support import deployment_status, wait_for
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    base = ember.serve(feature_apps.app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
-    yield base
-    serve.delete(feature_apps.app.name)
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(features.app) as base:
+        yield base
 
 
-def _concurrently(url: str, path: str, bodies: list[object]) -> list[httpx.Response]:
+def _concurrently(url: str, path: str, bodies: Sequence[object]) -> list[httpx.Response]:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as client:
             return await asyncio.gather(*(client.post(f"{url}{path}", json=b) for b in bodies))

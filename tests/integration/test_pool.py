@@ -7,32 +7,31 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-import ember
-
-import pool_apps
-from support import deployment_status, wait_for
+from apps import pool
+from serving import ServeApp
+from support import deployment_status, replicas_up, wait_for
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    base = ember.serve(pool_apps.app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
-    yield base
-    serve.delete(pool_apps.app.name)
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(pool.app) as base:
+        yield base
 
 
 def _phases(header: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in header.split(";"))
 
 
+def _ask_at_zero(url: str, deployment: str, path: str, question: str) -> httpx.Response:
+    """One request sent while ``deployment`` has no replica at all: a cold start."""
+    wait_for(lambda: replicas_up(url, deployment) == 0, 30, what=f"{deployment} at zero")
+    return httpx.post(f"{url}{path}", json={"question": question}, timeout=60)
+
+
 def test_cold_request_is_served_by_the_pool_then_by_the_own_replica(url: str) -> None:
-    wait_for(lambda: deployment_status(url, "SlowStart")["replicas_running"] == 0, 30,
-             what="SlowStart at zero")
-    first = httpx.post(f"{url}/slow-start", json={"question": "abc"}, timeout=60)
+    first = _ask_at_zero(url, "SlowStart", "/slow-start", "abc")
     assert first.status_code == 200 and first.json()["answer"] == "cba"
     phases = _phases(first.headers["x-ember-cold-start"])
     assert phases["path"] == "pool"
@@ -54,15 +53,15 @@ def _served_by_other(url: str, pool_pid: int) -> httpx.Response | None:
 
 
 def test_preloaded_deployment_runs_no_setup_on_its_first_request(url: str) -> None:
-    wait_for(lambda: deployment_status(url, "Preloaded")["replicas_running"] == 0, 30,
-             what="Preloaded at zero")
-    reply = httpx.post(f"{url}/preloaded", json={"question": "hi"}, timeout=60)
+    reply = _ask_at_zero(url, "Preloaded", "/preloaded", "hi")
     assert reply.json()["answer"] == "HI"
     phases = _phases(reply.headers["x-ember-cold-start"])
     assert phases["path"] == "pool" and phases["weights"] == "0"
 
 
 def test_cold_start_phases_are_exported(url: str) -> None:
+    reply = _ask_at_zero(url, "SlowStart", "/slow-start", "xyz")
+    assert _phases(reply.headers["x-ember-cold-start"])["path"] == "pool"
     text = httpx.get(f"{url}/metrics", timeout=10).text
     family = "ember_cold_start_phase_seconds_count"
     assert f'{family}{{deployment="SlowStart",path="pool",phase="weights"}}' in text

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HttpOrigin, make_weights
 
 from ember.loaders import (
     LoaderConfig,
@@ -17,6 +16,8 @@ from ember.loaders import (
     load,
     stream,
 )
+
+from loaders.origins import HttpOrigin, make_weights
 
 
 def _serve(origin: HttpOrigin, tmp_path: Path, n: int = 16) -> tuple[str, dict[str, torch.Tensor]]:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SRC_DIR, HttpOrigin, make_weights, subprocess_env
 
 from ember.loaders import LoaderConfig, load
+
+from loaders.origins import SRC_DIR, HttpOrigin, make_weights, subprocess_env
 
 # The children exercise only the loader. The ``ember`` package's __init__ imports the
 # serving stack (ray); eight processes importing it at once on two cores take a minute, so

@@ -100,6 +100,13 @@ def _window(started: float) -> dict[str, float]:
     return {"setup_started": started, "setup_done": time.time()}
 
 
+def _staged(value: dict[str, object], stage: str, window: dict[str, float]) -> dict[str, object]:
+    """``value`` with ``stage`` appended to its stages and that stage's setup window."""
+    stages = value["stages"]
+    assert isinstance(stages, list)
+    return {**value, "stages": [*stages, stage], stage: window}
+
+
 @ember.deployment(warm_floor=1, num_cpus=0.1, max_replicas=1)
 class Pre:
     def __call__(self, body: Text) -> dict[str, object]:
@@ -114,7 +121,7 @@ class Mid:
         self.window = _window(started)
 
     def __call__(self, value: dict[str, object]) -> dict[str, object]:
-        return {**value, "stages": [*value["stages"], "mid"], "mid": self.window}  # type: ignore[list-item]
+        return _staged(value, "mid", self.window)
 
 
 @ember.deployment(warm_floor=0, num_cpus=0.1, max_replicas=1, scaledown_after_s=1.0)
@@ -125,7 +132,7 @@ class Post:
         self.window = _window(started)
 
     def __call__(self, value: dict[str, object]) -> dict[str, object]:
-        return {**value, "stages": [*value["stages"], "post"], "post": self.window}  # type: ignore[list-item]
+        return _staged(value, "post", self.window)
 
 
 pipe = ember.pipeline([Pre, Mid, Post], route="/pipe", name="pipe")

@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import make_weights, s3_options
 
 from ember.loaders import LoaderConfig, ObjectChanged, load, resolve
 from ember.loaders._source import ObjectInfo
 from ember.loaders._source_fsspec import FsspecSource
+
+from loaders.origins import make_weights, s3_options
 
 
 def _upload(s3: Any, tmp_path: Path, key: str, n: int = 16) -> tuple[str, dict[str, torch.Tensor]]:

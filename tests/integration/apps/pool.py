@@ -1,4 +1,4 @@
-"""A deployment with a slow start, served through the warm pool while it scales from zero."""
+"""A slow-starting and a preloaded deployment, served through the warm pool at zero."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deployments exercised by the core integration tests (imported by Ray workers too)."""
+"""Deployments the core tests serve: echo, a bounded sleeper, a failing handler, a cold one."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Offline batch jobs on the session's Ray cluster: formats, bad rows, kills, sharing.
 
-The deployments below live in this module so that Ray workers import them by name.
+The toy deployments are in ``apps/offline.py``; targets name them ``apps.offline:...``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import csv
+import importlib
 import json
 import os
 import signal
@@ -21,10 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import BaseModel
 
-import ember
-
+from apps.offline import Lengths, app, share_app
+from serving import ServeApp
 from support import wait_for
 
 pytest.importorskip("pyarrow", reason="Ray Data needs pyarrow")
@@ -42,68 +41,6 @@ from ember.offline._sink import OutputStore, ShardAssembler, done_shards
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
-#: Seconds per item of the shared toy deployment: cost by sleeping, not by CPU.
-ITEM_S = 0.02
-
-
-class Doc(BaseModel):
-    text: str
-    weight: int = 1
-
-
-class Scored(BaseModel):
-    score: float
-    tag: str
-
-
-@ember.deployment(batch=ember.Batch(max_size=8), num_cpus=0.1)
-class Lengths:
-    def setup(self) -> None:
-        self.pid = float(os.getpid())
-
-    @ember.route("/lengths")
-    def lengths(self, texts: list[str]) -> list[list[float]]:
-        if "boom" in texts:
-            raise ValueError("boom is not a text")
-        for text in texts:
-            if text.startswith("die:") and not Path(text[4:]).exists():
-                Path(text[4:]).write_text("killed once")  # the retried call then succeeds
-                os.kill(os.getpid(), signal.SIGKILL)
-        return [[float(len(t)), self.pid] for t in texts]
-
-    @ember.route("/lengths/slow")
-    async def slow(self, texts: list[str]) -> list[int]:
-        await asyncio.sleep(0.03 * len(texts))
-        return [len(t) for t in texts]
-
-
-@ember.deployment(num_cpus=0.1)
-class Scorer:
-    @ember.route("/score")
-    async def score(self, docs: list[Doc]) -> list[Scored]:
-        return [Scored(score=len(d.text) * d.weight, tag=d.text[:1]) for d in docs]
-
-
-app = ember.App([Lengths, Scorer], name="offline-toys")
-
-
-@ember.deployment(route="/shared", warm_floor=1, max_replicas=1, num_cpus=0.1,
-                  batch=ember.Batch(max_size=32, max_wait_ms=2), scaledown_after_s=60)
-class Shared:
-    def setup(self) -> None:
-        self.items = 0
-
-    async def __call__(self, items: list[str]) -> list[int]:
-        await asyncio.sleep(ITEM_S * len(items))
-        self.items += len(items)
-        return [len(t) for t in items]
-
-    @ember.route("/shared/items", method="GET")
-    def count(self) -> dict[str, int]:
-        return {"items": self.items}
-
-
-share_app = ember.App([Shared], name="offline-share")
 
 
 def _write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -163,7 +100,7 @@ def test_pydantic_rows_through_the_cli(ray_cluster: None, tmp_path: Path) -> Non
         {"id": 1, "text": "alpha", "weight": 2}, {"id": 2, "text": "b", "weight": "heavy"},
         {"id": 3, "text": "gamma"}])
     out = tmp_path / "out"
-    code = batch_main(["batch", "test_offline_ray:app:Scorer", "-i", str(src), "-o", str(out),
+    code = batch_main(["batch", "apps.offline:app:Scorer", "-i", str(src), "-o", str(out),
                        "--no-progress", "--output-format", "jsonl"])
     assert code == 0
     rows = [json.loads(x) for x in (out / "part-00000.jsonl").read_text().splitlines()]
@@ -172,7 +109,7 @@ def test_pydantic_rows_through_the_cli(ray_cluster: None, tmp_path: Path) -> Non
     [error] = _errors(out)
     assert (error["id"], error["reason"]) == ("2", "invalid_row")
     assert "weight" in error["message"]
-    again = batch_main(["batch", "test_offline_ray:app:Scorer", "-i", str(src), "-o", str(out)])
+    again = batch_main(["batch", "apps.offline:app:Scorer", "-i", str(src), "-o", str(out)])
     assert again == 2  # the output holds a job and --resume was not given
 
 
@@ -200,7 +137,7 @@ def test_resume_after_the_driver_is_killed(ray_cluster: None, tmp_path: Path) ->
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     cmd = [sys.executable, "-m", "ember.cli.batch", "batch",
-           "test_offline_ray:app:Lengths", "--attr", "slow", "-i", str(src), "-o", str(out),
+           "apps.offline:app:Lengths", "--attr", "slow", "-i", str(src), "-o", str(out),
            "--shard-rows", str(rows_per_shard), "--batch-size", "5", "--no-progress"]
     log = (tmp_path / "driver.log").open("w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -222,13 +159,9 @@ def test_resume_after_the_driver_is_killed(ray_cluster: None, tmp_path: Path) ->
 
 
 @pytest.fixture()
-def shared_url(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    base = ember.serve(share_app, port=serve_port)
-    wait_for(lambda: httpx.get(f"{base}/readyz", timeout=5).status_code == 200, 90, what="ready")
-    yield base
-    serve.delete(share_app.name)
+def shared_url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(share_app) as base:
+        yield base
 
 
 def test_online_p95_stays_within_budget_beside_a_batch_job(shared_url: str,
@@ -280,11 +213,11 @@ def test_bench_runs_against_a_toy_deployment(ray_cluster: None, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import offline_bench
+        offline_bench = importlib.import_module("offline_bench")
     finally:
         sys.path.remove(str(ROOT / "bench"))
     results = tmp_path / "bench.json"
-    code = offline_bench.main(["--target", "test_offline_ray:app", "--attr", "lengths",
+    code = offline_bench.main(["--target", "apps.offline:app", "--attr", "lengths",
                                "--rows", "60", "--online-items", "10", "--batch-size", "16",
                                "--concurrency", "1", "--price-per-hour", "1.0",
                                "--json", str(results)])

@@ -1,0 +1,7 @@
+"""Apps the integration tests serve, one module per test module that serves it.
+
+Ray workers import these deployments by module name (``apps.core``, ...): pytest's
+``pythonpath`` puts ``tests/integration`` on ``sys.path``, and ``ember.platform.runtime``
+passes the driver's user paths to the local cluster's workers through ``PYTHONPATH``.
+Keep them light: every replica imports its module.
+"""

@@ -1,0 +1,49 @@
+"""No door left open: nothing the embedded cluster starts listens beyond loopback."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import httpx
+import psutil
+import pytest
+
+from apps import core
+from serving import ServeApp
+
+pytestmark = pytest.mark.cluster
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as gRPC reports a dual-stack bind
+    return address.is_loopback
+
+
+def _listeners() -> tuple[list[str], int]:
+    """Every listening TCP/UDP socket of this process's tree, and how many processes it has."""
+    me = psutil.Process()
+    tree = [me, *me.children(recursive=True)]
+    found = []
+    for proc in tree:
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN or (conn.type == 2 and not conn.raddr):
+                    found.append(f"{proc.pid} {proc.name()} {conn.laddr.ip}:{conn.laddr.port}")
+        except psutil.NoSuchProcess:
+            continue
+    return found, len(tree)
+
+
+def test_every_socket_of_the_cluster_listens_on_loopback(serve_app: ServeApp) -> None:
+    # The session's cluster with an app served: GCS, raylet, agents, Serve's controller and
+    # proxy, the ingress and model replicas (each with Serve's inter-deployment gRPC server,
+    # which binds all interfaces unless Ember narrows it).
+    with serve_app(core.app) as url:
+        assert httpx.post(f"{url}/echo", json={"text": "hi"}, timeout=30).status_code == 200
+        found, processes = _listeners()
+    assert processes >= 8, f"expected Ray's processes under the test process, saw {processes}"
+    assert any(" ray::ServeReplica" in f for f in found), found  # replicas were inspected
+    open_doors = [f for f in found if not _is_loopback(f.rsplit(":", 1)[0].split(" ")[-1])]
+    assert open_doors == []
