@@ -1,4 +1,4 @@
-"""Apps the integration tests serve, one module per test module that serves it.
+"""Apps the integration tests serve: core, faults, features, pool, offline.
 
 Ray workers import these deployments by module name (``apps.core``, ...): pytest's
 ``pythonpath`` puts ``tests/integration`` on ``sys.path``, and ``ember.platform.runtime``
