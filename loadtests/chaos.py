@@ -35,10 +35,9 @@ from common import (
     Budget,
     add_target_options,
     deployment_row,
-    fill_run_defaults,
     finish,
-    log_requests,
     post_ok,
+    prepare_run,
     wait_until,
 )
 from locust import FastHttpUser, LoadTestShape, between, events, task
@@ -99,13 +98,8 @@ def _add_options(parser: Any) -> None:
 @events.init.add_listener
 def _wait_ready(environment: Any, **_: Any) -> None:
     """Before any user: the deployment answers and has all its replicas running."""
-    options = environment.parsed_options
-    if options is None:  # used as a library: nothing to prepare
-        return
-    fill_run_defaults(options, users=8, spawn_rate=4, run_time_s=90)
-    log_requests(environment)
-    if not environment.host:
-        STATE.error = "no host: pass -H http://127.0.0.1:PORT"
+    options = prepare_run(environment, STATE, users=8, spawn_rate=4, run_time_s=90)
+    if options is None:
         return
     if urlsplit(environment.host).hostname not in LOCAL_HOSTS:
         # The killer signals replica processes by PID, which only means something here.

@@ -25,9 +25,8 @@ from common import (
     check_embeddings,
     deployment_row,
     entry,
-    fill_run_defaults,
     finish,
-    log_requests,
+    prepare_run,
     texts,
     wait_until,
 )
@@ -75,17 +74,12 @@ def _add_options(parser: Any) -> None:
 @events.init.add_listener
 def _wait_for_zero(environment: Any, **_: Any) -> None:
     """Block until the deployment has no replica, before any user exists."""
-    options = environment.parsed_options
-    if options is None:  # used as a library: nothing to prepare
-        return
     # The burst is -u users at once; --run-time only bounds how long it may take.
-    fill_run_defaults(options, users=8, spawn_rate=8, run_time_s=180)
-    log_requests(environment)
+    options = prepare_run(environment, STATE, users=8, spawn_rate=8, run_time_s=180)
+    if options is None:
+        return
     options.spawn_rate = options.num_users
     host, name = environment.host, options.deployment
-    if not host:
-        STATE.error = "no host: pass -H http://127.0.0.1:PORT"
-        return
     print(f"[coldstart] waiting up to {options.zero_wait_s:g}s for {name} to reach zero "
           "replicas", flush=True)
 

@@ -199,3 +199,22 @@ def finish(environment: Any, scenario: str, budgets: list[Budget], error: str | 
             {"scenario": scenario, "passed": passed, "budgets": rows}, indent=2))
     environment.process_exit_code = 0 if passed else 1
     return passed
+
+
+def prepare_run(environment: Any, state: Any, *, users: int, spawn_rate: float,
+                run_time_s: int) -> Any | None:
+    """A scenario's init step: defaults filled, requests logged, the host checked.
+
+    Returns the parsed options, or None when there is nothing to run: used as a library
+    (no options), or no host given (``state.error`` then says so and the run fails).
+    """
+    options = environment.parsed_options
+    if options is None:  # used as a library: nothing to prepare
+        return None
+    fill_run_defaults(options, users=users, spawn_rate=spawn_rate, run_time_s=run_time_s)
+    log_requests(environment)
+    if not environment.host:
+        state.error = "no host: pass -H http://127.0.0.1:PORT"
+        return None
+    return options
+

@@ -22,10 +22,9 @@ from common import (
     Budget,
     add_target_options,
     entry,
-    fill_run_defaults,
     finish,
-    log_requests,
     post_ok,
+    prepare_run,
     wait_until,
 )
 from locust import FastHttpUser, LoadTestShape, between, events, task
@@ -66,13 +65,8 @@ def _add_options(parser: Any) -> None:
 
 @events.init.add_listener
 def _wait_ready(environment: Any, **_: Any) -> None:
-    options = environment.parsed_options
+    options = prepare_run(environment, STATE, users=24, spawn_rate=24, run_time_s=30)
     if options is None:
-        return
-    fill_run_defaults(options, users=24, spawn_rate=24, run_time_s=30)
-    log_requests(environment)
-    if not environment.host:
-        STATE.error = "no host: pass -H http://127.0.0.1:PORT"
         return
     url = f"{environment.host.rstrip('/')}{options.path}"
     body = {"sleep_ms": options.sleep_ms}

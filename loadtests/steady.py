@@ -19,10 +19,9 @@ from common import (
     Budget,
     add_target_options,
     check_embeddings,
-    fill_run_defaults,
     finish,
-    log_requests,
     post_ok,
+    prepare_run,
     texts,
     wait_until,
 )
@@ -55,13 +54,8 @@ def _add_options(parser: Any) -> None:
 @events.init.add_listener
 def _warm_up(environment: Any, **_: Any) -> None:
     """Wake the deployment before the ramp; its cold start is not what this measures."""
-    options = environment.parsed_options
+    options = prepare_run(environment, STATE, users=8, spawn_rate=1, run_time_s=60)
     if options is None:
-        return
-    fill_run_defaults(options, users=8, spawn_rate=1, run_time_s=60)
-    log_requests(environment)
-    if not environment.host:
-        STATE.error = "no host: pass -H http://127.0.0.1:PORT"
         return
     url = f"{environment.host.rstrip('/')}{options.path}"
     print(f"[steady] warming up {url}", flush=True)
