@@ -27,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -188,6 +189,25 @@ def pick(args: argparse.Namespace, **choices: tuple[Any, Any]) -> argparse.Names
         if isinstance(getattr(args, name), int | float) and getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must not be negative")
     return args
+
+
+@contextmanager
+def deadline_run(seconds: float, errors: list[str],
+                 cleanup: Callable[[], None] | None = None) -> Iterator[Deadline]:
+    """A run under a global deadline: one that is passed ends up in ``errors``, not raised.
+
+    The SIGALRM backstop is cleared and ``cleanup`` (e.g. shutting Serve down) runs however
+    the run ends.
+    """
+    deadline = install_deadline(seconds)
+    try:
+        yield deadline
+    except DeadlineExceeded as exc:
+        errors.append(f"DeadlineExceeded: {exc}")
+    finally:
+        clear_deadline()
+        if cleanup is not None:
+            cleanup()
 
 
 def section(name: str, errors: list[str], fn: Callable[[], None]) -> None:

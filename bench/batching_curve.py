@@ -159,16 +159,10 @@ def main() -> int:
     args = h.pick(parser.parse_args(), sweep_reps=(5, 3), sweep_warmup=(2, 1),
                   minilm_max_batch=(512, 64))
     _serving.clear_overrides()
-    deadline = h.install_deadline(args.deadline_s)
     sweeps: list[Sweep] = []
     errors: list[str] = []
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         h.section("start", errors, lambda: run(args, deadline, sweeps, errors))
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     print_sweeps([s for s in sweeps if s.rows])
     h.write_results("batching_curve", {
         "complete": not errors, "errors": errors,

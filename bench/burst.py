@@ -129,16 +129,10 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     args = h.pick(parser.parse_args(), rounds=(2, 1))
     _serving.clear_overrides()
-    deadline = h.install_deadline(args.deadline_s)
     results: dict[str, Burst] = {}
     errors: list[str] = []
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         run(args, deadline, results, errors)
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     rows = {k: b.summary() for k, b in results.items() if b.statuses}
     print_summary(rows)
     if any(r["non_200"] for r in rows.values()):

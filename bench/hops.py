@@ -99,16 +99,10 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help="Ember HTTP port (default: free)")
     args = h.pick(parser.parse_args(), hop_requests=(100, 40), hop_rounds=(3, 1))
     _serving.clear_overrides()
-    deadline = h.install_deadline(args.deadline_s)
     doc: dict[str, Any] = {"model": "all-MiniLM-L6-v2"}
     errors: list[str] = []
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         h.section("hops", errors, lambda: run(args, deadline, doc))
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     doc.update(complete=not errors, errors=errors, config={
         "hop_requests": args.hop_requests, "hop_rounds": args.hop_rounds,
         "warmup_requests": WARMUP_REQUESTS, "stage_num_cpus": apps.STAGE_CPUS,

@@ -258,17 +258,11 @@ def main() -> int:
     args = h.pick(parser.parse_args(), trials=(3, 1), warm_requests=(200, 50))
     _serving.clear_overrides()
     ensure_weights(weights_path())  # written once here, not inside the first cold start
-    deadline = h.install_deadline(args.deadline_s)
     out = {t.label: Samples() for t in TARGETS}
     doc: dict[str, Any] = {"model": "seed MLP 256->512->16 (examples/mlp_app.py SeedMLP)"}
     errors: list[str] = []
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         h.section("run", errors, lambda: run(args, deadline, out, doc))
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     rows = summary(out)
     print_summary(rows)
     doc.update(complete=not errors, errors=errors, summary=rows,

@@ -143,21 +143,15 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     args = parser.parse_args()
     _serving.clear_overrides()
-    deadline = h.install_deadline(args.deadline_s)
     found: dict[str, Any] = {}
     errors: list[str] = []
     blob = m.prepare_weights()
     weight_bytes = os.path.getsize(blob)
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         base_url = _serving.start_serve(args.port or h.free_port())
         for key, name, base in VARIANTS:
             h.section(name, errors, functools.partial(
                 measure_into, found, key, name, base, base_url, blob, deadline))
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     fig = figures(found, weight_bytes)
     print_figures(fig)
     h.write_results("replica_memory", {

@@ -159,16 +159,10 @@ def main() -> int:
                   warmup_s=(3.0, 1.0))
     _serving.clear_overrides()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    deadline = h.install_deadline(args.deadline_s)
     doc: dict[str, Any] = {"model": "all-MiniLM-L6-v2"}
     errors: list[str] = []
-    try:
+    with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         h.section("throughput", errors, lambda: run(args, deadline, doc))
-    except h.DeadlineExceeded as exc:
-        errors.append(f"DeadlineExceeded: {exc}")
-    finally:
-        h.clear_deadline()
-        _serving.shutdown()
     doc.update(complete=not errors, errors=errors, config={
         "duration_s": args.duration_s, "rounds": args.rounds, "warmup_s": args.warmup_s,
         "concurrency": list(CONCURRENCY), "minilm_num_cpus": apps.MODEL_CPUS,
