@@ -142,14 +142,9 @@ PROBES = {"mlp": "/v2/models/mlp/infer", "batched": "/embed", "unbatched": "/emb
 
 def start(port: int, parts: tuple[str, ...], deadline: h.Deadline) -> str:
     """Serve the app with ``parts``; returns once each answers (its replica is up)."""
-    from ray import serve
-
-    from ember.platform.runtime import build_application
-
     base_url = _serving.start_serve(port)
-    serve.run(build_application(build_app(parts)), name=APP_NAME, route_prefix="/",
-              blocking=False, logging_config=_serving.LOGGING)
-    h.wait_until(lambda: h.http_ok(base_url + "/healthz"), "the ingress", deadline,
+    _serving.deploy_ember(build_app(parts), deadline)
+    h.wait_until(lambda: h.http_ok(base_url + "/healthz"), "the edges", deadline,
                  poll_s=0.5)
     with httpx.Client() as client:
         for part in parts:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 import psutil
-from _harness import HOST, Deadline, wait_until
+from _harness import HOST, Deadline, free_port, wait_until
 
 F = TypeVar("F", bound=Callable[..., Any])
 LOGGING = {"log_level": "WARNING", "enable_access_log": False}
@@ -80,33 +80,46 @@ def plain_autoscaling(shrunk: bool) -> dict[str, Any]:
     return config
 
 
+_PORTS: dict[str, int] = {}
+
+
 def start_serve(port: int) -> str:
-    """Start Ray through Ember and Serve on ``127.0.0.1:port``; the base URL."""
+    """Start Ray through Ember and Serve; Ember's base URL, ``127.0.0.1:port``.
+
+    Ember's edges listen on ``port``; Serve's HTTP proxy, which only the plain Ray Serve
+    peers use, listens on a port of its own (:func:`plain_url`).
+    """
     from ray import serve
     from ray.serve.config import HTTPOptions
 
     from ember.platform.runtime import start_ray
 
     start_ray()
-    serve.start(http_options=HTTPOptions(host=HOST, port=port), proxy_location="HeadOnly",
-                logging_config=LOGGING)
+    _PORTS.update(ember=port, plain=free_port())
+    serve.start(http_options=HTTPOptions(host=HOST, port=_PORTS["plain"]),
+                proxy_location="HeadOnly", logging_config=LOGGING)
     return f"http://{HOST}:{port}"
 
 
+def plain_url() -> str:
+    """Base URL of Serve's HTTP proxy, in front of the plain Ray Serve peers."""
+    return f"http://{HOST}:{_PORTS['plain']}"
+
+
 def deploy_ember(app: Any, deadline: Deadline, pool_settle_s: float = 1.5) -> None:
-    """Deploy Ember ``app`` at ``/`` and wait until it runs (and its warm pool, if any)."""
+    """Deploy Ember ``app`` on its edges and wait until it runs (and its warm pool, if any)."""
     from ray import serve
 
     from ember.platform.control.pool import POOL_DEPLOYMENT
     from ember.platform.runtime import build_application
 
-    serve.run(build_application(app), name=app.name, route_prefix="/", blocking=False,
-              logging_config=LOGGING)
+    serve.run(build_application(app, host=HOST, port=_PORTS["ember"]), name=app.name,
+              route_prefix=None, blocking=False, logging_config=LOGGING)
     wait_until(lambda: app_status(app.name) == "RUNNING", f"{app.name} running", deadline)
     if app.warm_pool:
         wait_until(lambda: replica_states(app.name, POOL_DEPLOYMENT).get("RUNNING", 0) >= 1,
                    "the warm pool", deadline)
-        time.sleep(pool_settle_s)  # the ingress polls replica states every 0.5-1 s
+        time.sleep(pool_settle_s)  # the edges poll replica states every 0.25-1 s
 
 
 def deploy_plain(bound: Any, app: str, prefix: str) -> None:
@@ -141,7 +154,7 @@ def app_status(app: str) -> str | None:
 
 
 def ingress_view(base_url: str, deployment: str) -> int | None:
-    """Running + starting replicas of ``deployment`` as Ember's ingress sees them."""
+    """Running + starting replicas of ``deployment`` as an Ember edge sees them."""
     try:
         reply = httpx.get(f"{base_url}/-/status", timeout=5)
         reply.raise_for_status()

@@ -95,7 +95,7 @@ def run_plain(base_url: str, args: Any, deadline: h.Deadline,
     out = results.setdefault(v.key, Burst())
     for _ in range(args.rounds):
         m.wait_plain_zero(deadline)
-        burst(f"{base_url}{v.prefix}/embed", args.burst, deadline, out)
+        burst(f"{_serving.plain_url()}{v.prefix}/embed", args.burst, deadline, out)
         report(v.label, out)
 
 

@@ -3,9 +3,9 @@
 Variants (a)-(e) are described in ``bench/_minilm_apps.py``: Ember with the warm pool and
 ``preload=True`` (the flagship as shipped), the pool constructing the model on demand, no
 pool (the deployment's own replica starts), and plain Ray Serve from zero with default and
-with shrunk autoscaling timers. The Ember variants own route prefix ``/`` one at a time;
-(d) and (e) stay deployed at ``/plain`` and ``/shrunk``, idle at zero, and are measured last,
-interleaved by round, with no Ember app deployed.
+with shrunk autoscaling timers. The Ember variants are served by Ember's edges one at a time;
+(d) and (e) stay deployed behind Serve's proxy at ``/plain`` and ``/shrunk``, idle at zero,
+and are measured last, interleaved by round, with no Ember app deployed.
 
 Cold start: once the measured deployment has no replica in any state (``serve.status()``)
 and, for Ember, its ingress also sees none (``GET /-/status``), wait a second and time one
@@ -85,7 +85,8 @@ def run_plain(base_url: str, trials: int, deadline: h.Deadline, res: Results) ->
         print(f"plain round {trial}/{trials}", flush=True)
         for v in m.PLAIN_VARIANTS:
             m.wait_plain_zero(deadline)
-            reply, took, sent_wall = m.cold_request(f"{base_url}{v.prefix}/embed", deadline)
+            url = f"{_serving.plain_url()}{v.prefix}/embed"
+            reply, took, sent_wall = m.cold_request(url, deadline)
             sample = Sample(took, marks_s=_serving.marks_since(v.deployment, sent_wall))
             res.cold.setdefault(v.key, []).append(sample)
             res.vectors.setdefault(v.key, reply.json()[0]["embedding"])

@@ -1,4 +1,4 @@
-"""Chaos: SIGKILL a replica every ``--kill-every-s`` under steady load; almost nothing fails.
+"""Chaos: SIGKILL a replica (or an edge) every ``--kill-every-s`` under load; almost nothing fails.
 
 Meant for ``loadtests/chaos_apps.py:app`` (deployment ``Sleeper``: two replicas, 100-200 ms
 per request, each answer naming the PID of its replica), served on this machine. Users
@@ -9,6 +9,11 @@ SIGKILLs one. It then polls ``/-/status`` until ``replicas_running`` is back to
 ``--replicas`` and the replicas answering are two live processes, not the killed one, and
 records how long that took. No kill is made in the last ``--quiet-tail-s`` of the run; a
 recovery still under way when the load ends is waited for before the budgets are checked.
+
+With ``--kill edge`` the victims are Ember's edges, the processes that accept the
+connections (at least two share the port): their PIDs come from ``/-/status`` asked on fresh
+connections, and whole again means ``--edges`` edges running and answering. Only requests in
+flight on the killed edge may fail.
 
 Budgets: the share of requests that succeeded (a request caught on the killed replica is
 retried once on the other, so nearly all should), the slowest recovery to full size, and
@@ -82,6 +87,10 @@ def _add_options(parser: Any) -> None:
                        help="GET route answering {\"pid\": ...} of the replica that served it")
     group.add_argument("--replicas", type=int, default=2,
                        help="the deployment's size, to which it must come back (default 2)")
+    group.add_argument("--kill", choices=("replica", "edge"), default="replica",
+                       help="what to SIGKILL: a replica of --deployment, or an edge")
+    group.add_argument("--edges", type=int, default=2,
+                       help="edges the server runs, to which it must come back (default 2)")
     group.add_argument("--kill-every-s", type=float, default=20.0,
                        help="SIGKILL one replica this often (default 20)")
     group.add_argument("--quiet-tail-s", type=float, default=5.0,
@@ -150,20 +159,67 @@ def is_replica(pid: int, deployment: str) -> bool:
     return "ServeReplica:" in title and f":{deployment}" in title
 
 
-def wait_recovered(host: str, options: Any, victim: int) -> tuple[float, bool]:
-    """Seconds until the deployment is back to size without ``victim``, and whether it was.
+def edge_pids(host: str, tries: int = 16) -> tuple[set[int], int]:
+    """PIDs of the edges answering ``/-/status`` on fresh connections, and how many run.
 
-    Back to size means ``/-/status`` counts ``--replicas`` running and that many distinct
+    A new connection is how a caller meets another edge: the kernel spreads connections,
+    not requests, over the edges that share the port.
+    """
+    pids: set[int] = set()
+    running = 0
+    for _ in range(tries):
+        try:
+            edges = httpx.get(f"{host}/-/status", timeout=5).json()["edges"]
+            pids.add(int(edges["pid"]))
+            running = max(running, int(edges["running"]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass  # an edge dying under the ask: ask again
+    return pids, running
+
+
+def is_edge(pid: int) -> bool:
+    """Whether ``pid`` is a live Ember edge process on this machine (its Ray title says so)."""
+    try:
+        title = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "ServeReplica:" in title and ":ember-edge" in title
+
+
+def victims(host: str, options: Any) -> set[int]:
+    """The processes one of which is killed next."""
+    if options.kill == "edge":
+        return edge_pids(host)[0]
+    return replica_pids(host, options)
+
+
+def is_victim(pid: int, options: Any) -> bool:
+    return is_edge(pid) if options.kill == "edge" else is_replica(pid, options.deployment)
+
+
+def whole(host: str, options: Any, victim: int) -> bool:
+    """Back to size: the expected count runs and answers, the killed process not among them."""
+    if options.kill == "edge":
+        pids, running = edge_pids(host)
+        return running >= options.edges and len(pids) >= options.edges and victim not in pids
+    row = deployment_row(host, options.deployment)
+    if row is None or row.get("replicas_running", 0) < options.replicas:
+        return False
+    pids = replica_pids(host, options)
+    return len(pids) >= options.replicas and victim not in pids
+
+
+def wait_recovered(host: str, options: Any, victim: int) -> tuple[float, bool]:
+    """Seconds until the target is back to size without ``victim``, and whether it was.
+
+    Back to size means ``/-/status`` counts them all running and that many distinct
     processes, none of them the killed one, answer: the status alone can lag the kill.
     """
     started = time.monotonic()
     deadline = started + options.budget_recovery_s + RECOVERY_GRACE_S
     while time.monotonic() < deadline:
-        row = deployment_row(host, options.deployment)
-        if row is not None and row.get("replicas_running", 0) >= options.replicas:
-            pids = replica_pids(host, options)
-            if len(pids) >= options.replicas and victim not in pids:
-                return round(time.monotonic() - started, 2), True
+        if whole(host, options, victim):
+            return round(time.monotonic() - started, 2), True
         gevent.sleep(RECOVERY_POLL_S)
     return round(time.monotonic() - started, 2), False
 
@@ -178,14 +234,14 @@ def kill_loop(environment: Any) -> None:
         gevent.sleep(max(0.0, due_s - elapsed_s()))
         if STATE.stopping or STATE.error:
             return
-        pids = replica_pids(host, options)
+        what = "edge" if options.kill == "edge" else f"{options.deployment} replica"
+        pids = victims(host, options)
         if not pids:
-            STATE.error = f"no {options.deployment} replica answered at {elapsed_s():.1f}s"
+            STATE.error = f"no {what} answered at {elapsed_s():.1f}s"
             return
         victim = random.choice(sorted(pids))
-        if not is_replica(victim, options.deployment):
-            STATE.error = (f"pid {victim} is not a {options.deployment} replica on this "
-                           "machine; nothing was killed")
+        if not is_victim(victim, options):
+            STATE.error = f"pid {victim} is not a {what} on this machine; nothing was killed"
             return
         try:
             os.kill(victim, signal.SIGKILL)
@@ -194,14 +250,13 @@ def kill_loop(environment: Any) -> None:
             return
         kill = Kill(at_s=round(elapsed_s(), 2), pid=victim)
         STATE.kills.append(kill)
-        print(f"[chaos] kill {len(STATE.kills)} at {kill.at_s:.1f}s: SIGKILL pid {victim} "
-              f"({len(pids)} replicas seen)", flush=True)
+        print(f"[chaos] kill {len(STATE.kills)} at {kill.at_s:.1f}s: SIGKILL {what} pid "
+              f"{victim} ({len(pids)} seen)", flush=True)
         kill.recovery_s, kill.recovered = wait_recovered(host, options, victim)
+        size = options.edges if options.kill == "edge" else options.replicas
         print(f"[chaos] kill {len(STATE.kills)}: "
-              + (f"back to {options.replicas} replicas in {kill.recovery_s:.2f}s"
-                 if kill.recovered else
-                 f"NOT back to {options.replicas} replicas after {kill.recovery_s:.2f}s"),
-              flush=True)
+              + (f"back to {size} in {kill.recovery_s:.2f}s" if kill.recovered else
+                 f"NOT back to {size} after {kill.recovery_s:.2f}s"), flush=True)
         if not kill.recovered:
             return  # the budget is missed already; more kills would only add noise
         due_s += options.kill_every_s
@@ -279,11 +334,13 @@ def _check_budgets(environment: Any, **_: Any) -> None:
         verdict = ("not measured" if kill.recovery_s is None else
                    f"{'back' if kill.recovered else 'NOT back'} after {kill.recovery_s:g}s")
         print(f"[chaos] kill {number}: pid {kill.pid} at {kill.at_s:g}s, {verdict}", flush=True)
+    size = (f"{options.edges} edges" if options.kill == "edge"
+            else f"{options.replicas} replicas")
     budgets = [
         Budget("success ratio", round(1 - total.fail_ratio, 4) if total.num_requests else None,
                options.budget_success_ratio, at_least=True),
-        Budget("replica kills", len(STATE.kills), options.budget_min_kills, at_least=True),
-        Budget(f"slowest recovery to {options.replicas} replicas", slowest,
-               options.budget_recovery_s, " s"),
+        Budget(f"{options.kill} kills", len(STATE.kills), options.budget_min_kills,
+               at_least=True),
+        Budget(f"slowest recovery to {size}", slowest, options.budget_recovery_s, " s"),
     ]
     finish(environment, "chaos", budgets, STATE.error)

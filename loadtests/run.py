@@ -5,13 +5,14 @@
 
 Starts ``ember run`` on a free 127.0.0.1 port with ``EMBER_SCALEDOWN_AFTER_S`` short (so
 the coldstart scenario does not wait minutes for zero replicas), runs ``coldstart`` and
-``steady`` against ``--app``, then ``overload`` against ``--overload-app`` and ``chaos``
-(replicas SIGKILLed under load) against ``--chaos-app`` (a server per app, shared by
-scenarios that name the same one), each as a headless locust subprocess. Meanwhile a thread
-records ``/-/status`` every 0.5 s. Then it writes ``DIR/index.html`` (budgets, latency and
-replicas over time) next to locust's CSV and HTML reports, and exits 1 if any scenario
-missed a budget. ``--short`` is the CI version: few users, about 15 s of load per scenario
-(30 s for chaos, which needs time for two kills and their recoveries).
+``steady`` against ``--app``, then ``overload`` against ``--overload-app``, ``chaos``
+(replicas SIGKILLed under load) and ``edge-chaos`` (edges SIGKILLed under load) against
+``--chaos-app`` (a server per app, shared by scenarios that name the same one), each as a
+headless locust subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it
+writes ``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
+HTML reports, and exits 1 if any scenario missed a budget. ``--short`` is the CI version:
+few users, about 15 s of load per scenario (30 s for the chaos ones, which need time for two
+kills and their recoveries).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ class Scenario:
     target: str  # the option naming its app: "app", "overload_app" or "chaos_app"
     args: tuple[str, ...]
     timeout_s: float  # a hard stop for the locust process, beyond its own bounds
+    locustfile: str = ""  # loadtests/<this>.py; the scenario's name when empty
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """The four scenarios; ``short`` keeps CI to a few users and seconds each."""
+    """The five scenarios; ``short`` keeps CI to a few users and seconds each."""
     if short:
         return [
             Scenario("coldstart", "app", ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
@@ -62,6 +64,9 @@ def scenarios(short: bool) -> list[Scenario]:
             # Kills at 10 s and 20 s; a recovery still under way at 30 s is waited for.
             Scenario("chaos", "chaos_app", ("-u", "6", "-r", "6", "--run-time", "30s",
                                             "--kill-every-s", "10"), 120),
+            Scenario("edge-chaos", "chaos_app", ("-u", "6", "-r", "6", "--run-time", "30s",
+                                                 "--kill", "edge", "--kill-every-s", "10"), 120,
+                     "chaos"),
         ]
     return [
         Scenario("coldstart", "app", ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
@@ -70,6 +75,9 @@ def scenarios(short: bool) -> list[Scenario]:
         Scenario("overload", "overload_app", ("-u", "24", "-r", "24", "--run-time", "30s"), 400),
         Scenario("chaos", "chaos_app", ("-u", "12", "-r", "4", "--run-time", "90s",
                                         "--kill-every-s", "20"), 400),
+        Scenario("edge-chaos", "chaos_app", ("-u", "12", "-r", "4", "--run-time", "90s",
+                                             "--kill", "edge", "--kill-every-s", "20"), 400,
+                 "chaos"),
     ]
 
 
@@ -175,7 +183,8 @@ class StatusRecorder(threading.Thread):
 
 def locust_command(scenario: Scenario, url: str, out: Path) -> list[str]:
     name = scenario.name
-    return [sys.executable, "-m", "locust", "-f", str(HERE / f"{name}.py"), "--headless",
+    locustfile = HERE / f"{scenario.locustfile or name}.py"
+    return [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless",
             "-H", url, "--csv", str(out / name), "--csv-full-history",
             "--html", str(out / f"{name}.html"), "--only-summary",
             "--budget-report", str(out / f"{name}_budgets.json"),

@@ -1,4 +1,4 @@
-"""One local Ray cluster per test session, one Serve HTTP port, one way to serve an app."""
+"""One local Ray cluster per test session, one HTTP port for its apps, one way to serve one."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster: None) -> int:
     from ray import serve
-    from ray.serve.config import HTTPOptions
 
     port = free_port()
     os.environ["EMBER_PORT"] = str(port)
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), proxy_location="HeadOnly")
+    # Ember's edges listen on the port; Serve's proxy is not started, as under `ember run`.
+    serve.start(proxy_location="Disabled")
     return port
 
 

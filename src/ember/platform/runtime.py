@@ -1,8 +1,8 @@
 """Starting and stopping Ember on a Ray cluster.
 
 ``serve(app)`` joins ``RAY_ADDRESS`` when it is set, or starts an embedded local cluster,
-then deploys the app with Ray Serve: one Serve deployment per Ember deployment plus the
-ingress. Nothing here schedules replicas or proxies requests; Ray Serve does.
+then deploys the app with Ray Serve: one Serve deployment per Ember deployment, the warm
+pool, and the edges that listen for HTTP. Nothing here schedules replicas; Ray Serve does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import HTTPOptions
 
 from ember import settings
 from ember.platform.app import App
@@ -24,7 +23,13 @@ from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_lo
 from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
 from ember.platform.control.replica import replica_class
 from ember.platform.http.auth import ApiKeys
-from ember.platform.http.ingress import EmberIngress
+from ember.platform.http.edge import (
+    DRAIN_S,
+    EDGE_DEPLOYMENT,
+    HEALTH_CHECK_PERIOD_S,
+    EmberEdge,
+    edge_placement,
+)
 from ember.platform.http.ratelimit import RateLimiter
 
 logger = logging.getLogger("ember")
@@ -63,8 +68,12 @@ def default_port() -> int:
     return settings.load().port
 
 
-def build_application(app: App) -> Any:
-    """The Ray Serve application (bound ingress) for ``app``."""
+def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> Any:
+    """The Ray Serve application for ``app``: its edges, bound to every deployment's handle.
+
+    The edges listen on ``host:port`` themselves (see ``http/edge.py``); Serve's HTTP proxy
+    plays no part, so the application has no route prefix.
+    """
     handles: dict[str, Any] = {}
     options = {}
     for spec in app.specs:
@@ -72,19 +81,28 @@ def build_application(app: App) -> Any:
         options[spec.name] = opts
         deployment = serve.deployment(**to_ray_options(opts, name=spec.name))(replica_class(spec))
         handles[spec.name] = deployment.bind()
-    ingress = serve.deployment(
-        name="ember-ingress",
-        num_replicas=1,
-        # The ingress only awaits handles; it must never be the queue callers wait in.
-        max_ongoing_requests=4096,
+    nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    edges, per_node = edge_placement(len(nodes))
+    edge = serve.deployment(
+        name=EDGE_DEPLOYMENT,
+        num_replicas=edges,
+        max_replicas_per_node=per_node,
+        # Nothing calls an edge through Serve; its requests arrive on its own socket.
+        max_ongoing_requests=1,
         ray_actor_options={"num_cpus": 0.1},
         logging_config=serve_logging(),
-    )(EmberIngress)
-    pool = _pool_deployment(app)
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=DRAIN_S + 5,
+    )(EmberEdge)
     pool_names = [s.name for s in app.pool_specs()]
-    return ingress.bind(app.name, list(app.routes()), options, handles, app.timeouts(),
-                        app.protocols, pool, pool_names, ApiKeys.from_env(),
-                        RateLimiter.from_env())
+    state_args = {
+        "app_name": app.name, "routes": list(app.routes()), "options": options,
+        "handles": handles, "timeouts": app.timeouts(), "protocols": app.protocols,
+        "pool": _pool_deployment(app), "pool_names": frozenset(pool_names),
+        # Read where the operator set them; only key digests travel to the edges.
+        "keys": ApiKeys.from_env(), "limiter": RateLimiter.from_env(),
+    }
+    return edge.bind(host, default_port() if port is None else port, state_args)
 
 
 def _pool_deployment(app: App) -> Any:
@@ -144,8 +162,10 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
     """
     start_ray()
     port = default_port() if port is None else port
-    serve.start(http_options=HTTPOptions(host=host, port=port), proxy_location="HeadOnly")
-    serve.run(build_application(app), name=app.name, route_prefix="/", blocking=False)
+    # Ember's edges take the place of Serve's HTTP proxy (see http/edge.py).
+    serve.start(proxy_location="Disabled")
+    serve.run(build_application(app, host=host, port=port), name=app.name, route_prefix=None,
+              blocking=False)
     return f"http://{host}:{port}"
 
 

@@ -2,7 +2,7 @@
 
 The app is built as the ingress builds it: ``IngressState`` from an ``ember.App`` as
 ``runtime.build_application`` passes it, then ``build_fastapi`` (all that
-``EmberIngress.__serve_build_asgi_app__`` does), so every middleware runs in its real order.
+``EmberEdge`` serves), so every middleware runs in its real order.
 Only Ray Serve's handles are faked (``serve_fakes``).
 """
 
@@ -58,7 +58,7 @@ class Edge:
     def __init__(self, *, keys: ApiKeys | None = None, warm: bool = True) -> None:
         self.handles = {spec.name: FakeHandle(replica_of(spec.cls)) for spec in APP.specs}
         self.pool = FakeHandle(pool_of(Echo, Broken))
-        # The arguments runtime.build_application binds to EmberIngress.
+        # The arguments runtime.build_application binds to EmberEdge.
         options = {spec.name: spec.options.with_env_overrides() for spec in APP.specs}
         self.state = IngressState(
             APP.name, list(APP.routes()), options,

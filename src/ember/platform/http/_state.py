@@ -62,6 +62,10 @@ class DeploymentLoad:
         }
 
 
+#: Serve deployment name of the edges (``edge.py``), whose count the status reports.
+EDGE_DEPLOYMENT = "ember-edge"
+
+
 class LoadTracker:
     """Per-deployment counters shared by the ingress's request handlers."""
 
@@ -69,6 +73,7 @@ class LoadTracker:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
         self.pool_running = 0
+        self.edges_running = 0
         #: Whether the app has a warm pool, whose replica must be up before it is ready.
         self.pool_expected = False
         #: Whether replica states have been read at least once; not ready before that.
@@ -93,6 +98,8 @@ class LoadTracker:
         if load is None:
             if deployment == "ember-pool":
                 self.pool_running = int(overview.replica_states.get("RUNNING", 0))
+            elif deployment == EDGE_DEPLOYMENT:
+                self.edges_running = int(overview.replica_states.get("RUNNING", 0))
             return
         states = {str(getattr(k, "value", k)): int(v) for k, v in overview.replica_states.items()}
         load.replica_states = states

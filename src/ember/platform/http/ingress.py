@@ -1,9 +1,9 @@
-"""The ingress: one FastAPI app in front of every deployment of an ``ember.App``.
+"""The ingress app: one FastAPI app in front of every deployment of an ``ember.App``.
 
-Ray Serve's proxy hands each HTTP request to this deployment, which validates it (size,
-JSON, types), routes it through a ``DeploymentHandle`` (see ``dispatch.py``) and answers
-with the right status. Scaling from zero needs nothing here: the handle holds the request
-while Ray Serve's controller, driven by Ember's policy, starts replicas.
+Each edge (``edge.py``) serves it: it validates a request (size, JSON, types), routes it
+through a ``DeploymentHandle`` (see ``_dispatch.py``) and answers with the right status.
+Scaling from zero needs nothing here: the handle holds the request while Ray Serve's
+controller, driven by Ember's policy, starts replicas.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import collections.abc
 import inspect
 import json
 import logging
+import os
 import time
 import typing
 from collections import Counter
@@ -26,14 +27,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ember import settings
 from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
 from ember.platform.config import DeploymentOptions, check_name
 from ember.platform.control import floors
-from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._asgi import (
     COLD_START_HEADER,
@@ -100,6 +99,9 @@ class IngressState:
             "app": self.app_name,
             "ready": self.tracker.ready(),
             "deployments": [load.as_dict() for load in self.tracker.loads.values()],
+            # Which edge answered, and how many run: what an operator (or a chaos test)
+            # needs to see the edges come back.
+            "edges": {"running": self.tracker.edges_running, "pid": os.getpid()},
         }
 
     # The Gateway protocol adapters use.
@@ -112,6 +114,13 @@ class IngressState:
     def ready(self) -> bool:
         return self.tracker.ready()
 
+    async def poll_once(self) -> None:
+        """Read every deployment's replica states from Serve's controller once."""
+        overviews = await asyncio.to_thread(read_replica_states, self.app_name)
+        for name, overview in overviews.items():
+            self.tracker.update_replicas(name, overview)
+        self.tracker.polled = True
+
     async def poll_replicas(self) -> None:
         """Keep replica counts fresh without putting the controller on the request path.
 
@@ -121,10 +130,7 @@ class IngressState:
         """
         while True:
             try:
-                overviews = await asyncio.to_thread(read_replica_states, self.app_name)
-                for name, overview in overviews.items():
-                    self.tracker.update_replicas(name, overview)
-                self.tracker.polled = True
+                await self.poll_once()
             except Exception:  # the controller may be restarting; try again next tick
                 logger.warning("replica status poll failed", exc_info=True)
             await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else _STATUS_POLL_S)
@@ -393,21 +399,4 @@ def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
                       include_in_schema=False)
 
 
-@serve.ingress()
-class EmberIngress:
-    """Ray Serve deployment hosting the FastAPI app; handles arrive as constructor args."""
-
-    def __init__(self, app_name: str, routes: list[RouteSpec],
-                 options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
-                 timeouts: dict[str, float], protocols: tuple[Protocol, ...],
-                 pool: DeploymentHandle[Any] | None, pool_names: list[str],
-                 keys: ApiKeys, limiter: RateLimiter | None) -> None:
-        bind_replica_grpc_to_node_ip()
-        self._state = IngressState(app_name, routes, options, handles, timeouts, protocols,
-                                   pool, frozenset(pool_names), keys, limiter)
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi(self._state)
-
-
-__all__ = ["EmberIngress", "IngressState", "build_fastapi"]
+__all__ = ["IngressState", "build_fastapi"]
