@@ -1,12 +1,19 @@
-"""Prometheus metrics exported by the ingress at ``/metrics``.
+"""Prometheus metrics exported by the edges at ``/metrics``.
 
-Each ingress replica owns a private registry so that tests and several apps in one
-process never collide on metric names.
+Each edge owns a private registry so that tests and several apps in one process never
+collide on metric names; :class:`MetricsBoard` merges the edges' registries for a scrape.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -14,7 +21,7 @@ _COLD_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60)
 
 
 class Metrics:
-    """The metric families of one ingress."""
+    """The metric families of one edge."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -64,3 +71,75 @@ class Metrics:
     def render(self) -> bytes:
         """Prometheus text exposition of every family."""
         return generate_latest(self.registry)
+
+
+class MetricsBoard:
+    """Every edge's metrics in one scrape: each edge publishes, any edge answers for all.
+
+    The kernel spreads connections over the edges, so a scrape reaches one of them at
+    random. Each edge publishes its exposition to Ray's internal key-value store about once a
+    second; ``/metrics`` merges the fresh ones, every sample labelled with its ``edge``, as
+    Prometheus labels per-instance series. An edge silent for ``STALE_S`` is dropped.
+    """
+
+    NAMESPACE = "ember"
+    STALE_S = 30.0
+
+    def __init__(self, app: str, edge: str) -> None:
+        self.app, self.edge = app, edge
+
+    def _key(self, edge: str) -> str:
+        return f"metrics:{self.app}:{edge}"
+
+    def publish(self, text: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        value = json.dumps({"at": time.time(), "text": text.decode()}).encode()
+        internal_kv._internal_kv_put(self._key(self.edge), value, overwrite=True,
+                                     namespace=self.NAMESPACE)
+
+    def withdraw(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self._key(self.edge), namespace=self.NAMESPACE)
+
+    def render_all(self, own: bytes) -> bytes:
+        """This edge's ``own`` exposition merged with every other edge's fresh one."""
+        texts = {self.edge: own.decode(), **self._others()}
+        merged: dict[str, Metric] = {}
+        for edge, text in sorted(texts.items()):
+            for family in text_string_to_metric_families(text):
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation,
+                                                             family.type))
+                for sample in family.samples:
+                    into.samples.append(sample._replace(labels={**sample.labels, "edge": edge}))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed(list(merged.values())))
+        return generate_latest(registry)
+
+    def _others(self) -> dict[str, str]:
+        from ray.experimental import internal_kv
+
+        prefix = self._key("")
+        found = {}
+        for key in internal_kv._internal_kv_list(prefix, namespace=self.NAMESPACE):
+            edge = key.decode()[len(prefix):]
+            raw = internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
+            try:
+                value = json.loads(raw or b"")
+                fresh = time.time() - float(value["at"]) < self.STALE_S
+            except (ValueError, KeyError, TypeError):  # damaged: skip it rather than fail
+                continue
+            if edge != self.edge and fresh:
+                found[edge] = str(value["text"])
+        return found
+
+
+class _Fixed(Collector):
+    """A collector that yields families already built (the merged ones)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families

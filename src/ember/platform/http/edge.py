@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
+from ember.platform.http._metrics import MetricsBoard
 from ember.platform.http._state import EDGE_DEPLOYMENT
 from ember.platform.http.ingress import IngressState, build_fastapi
 
@@ -62,6 +63,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _edge_id() -> str:
+    """This edge's Serve replica id, which names its metrics."""
+    from ray import serve
+
+    return str(serve.get_replica_context().replica_id.unique_id)
+
+
 class _EdgeServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -76,6 +84,7 @@ class EmberEdge:
     async def __init__(self, host: str, port: int, state_args: dict[str, Any]) -> None:  # type: ignore[misc]
         bind_replica_grpc_to_node_ip()
         state = IngressState(**state_args)
+        self._board = state.board = MetricsBoard(state.app_name, _edge_id())
         # Know the replica counts before taking a connection: a request must not be sent
         # to a deployment's own replicas while they are still at zero and the pool is warm.
         await state.poll_once()
@@ -98,6 +107,7 @@ class EmberEdge:
     async def __del__(self) -> None:
         # Stop accepting at once (other edges keep the port), let requests in flight finish.
         self._server.should_exit = True
+        await asyncio.to_thread(self._board.withdraw)
         try:
             await asyncio.wait_for(asyncio.shield(self._task), DRAIN_S)
         except (TimeoutError, asyncio.CancelledError):

@@ -44,7 +44,7 @@ from ember.platform.http._asgi import (
     request_id_of,
 )
 from ember.platform.http._dispatch import Dispatcher
-from ember.platform.http._metrics import Metrics
+from ember.platform.http._metrics import Metrics, MetricsBoard
 from ember.platform.http._state import LoadTracker
 from ember.platform.http._strict_json import (
     ContentEncodingMiddleware,
@@ -81,6 +81,8 @@ class IngressState:
         self.routes = routes
         self.protocols = protocols
         self.metrics = Metrics()
+        #: Set by the edge that serves this state: the other edges' metrics, for a scrape.
+        self.board: MetricsBoard | None = None
         self.tracker = LoadTracker(options, self.metrics)
         self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
         self.tracker.pool_expected = pool is not None
@@ -120,6 +122,14 @@ class IngressState:
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         self.tracker.polled = True
+        if self.board is not None:
+            await asyncio.to_thread(self.board.publish, self.metrics.render())
+
+    async def render_metrics(self) -> bytes:
+        """This edge's metrics, with every other edge's when it runs beside others."""
+        own = self.metrics.render()
+        return own if self.board is None else await asyncio.to_thread(self.board.render_all,
+                                                                       own)
 
     async def poll_replicas(self) -> None:
         """Keep replica counts fresh without putting the controller on the request path.
@@ -346,7 +356,7 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await state.render_metrics(), media_type="text/plain; version=0.0.4")
 
     async def status() -> Response:
         return JSONResponse(state.status())
