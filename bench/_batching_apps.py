@@ -9,7 +9,10 @@ only the deployments the benchmark at hand measures:
 * ``batched`` (``POST /embed``): the MiniLM flagship with its shipped options
   (``ember.Batch(max_size=64, max_wait_ms=5)``...), changed only in ``warm_floor=1``,
   ``max_replicas=1`` and ``num_cpus=0.25`` (Ray accounting, so that every variant fits on two
-  logical CPUs). It counts its handler calls and texts (``GET /embed/stats``).
+  logical CPUs). It counts its handler calls and texts (``GET /embed/stats``). A benchmark
+  that fixes the batch itself passes ``batch`` to :func:`start` (``bench/throughput.py``:
+  :data:`THROUGHPUT_BATCH`, the settings every batching contender there gets); the
+  deployment keeps its name, routes and other options (:func:`rebatched`).
 * ``unbatched`` (``POST /embed-unbatched``): the same with ``batch=None`` and
   ``max_ongoing_requests=64``: each request runs its own forward pass.
 * ``pipeline`` (``POST /embed-pipeline``): the flagship's three stages (``Tokenize ->
@@ -50,6 +53,8 @@ APP_NAME = "bench-batching"
 MODEL_CPUS = 0.25  # Ray accounting per MiniLM replica; compute is torch's one thread
 STAGE_CPUS = 0.1  # tokenize and pool stages
 ONE_REPLICA = {"warm_floor": 1, "max_replicas": 1}
+#: The batch of ``bench/throughput.py``'s batching contenders: 32 items, 5 ms wait.
+THROUGHPUT_BATCH = ember.Batch(max_size=32, max_wait_ms=5)
 JSON_HEADERS = {"content-type": "application/json"}
 WORDS = ("ember", "serves", "small", "models", "fast", "while", "the", "quick", "brown", "fox",
          "jumps", "over", "a", "lazy", "dog", "near", "quiet", "rivers", "under", "bright",
@@ -124,10 +129,26 @@ class BenchPool(Pool):
         return super().__call__(value)
 
 
-def build_app(parts: tuple[str, ...]) -> ember.App:
-    """The bench app with ``parts`` (``mlp``, ``batched``, ``unbatched``, ``pipeline``)."""
-    members: dict[str, Any] = {"mlp": SeedMLP, "batched": MiniLMBatched,
-                               "unbatched": MiniLMUnbatched}
+def rebatched(cls: type, batch: ember.Batch) -> type:
+    """Deployment ``cls`` under its own name, routes and options, but batching by ``batch``.
+
+    A subclass decorated anew: ``@ember.deployment`` reads the routes from the class's own
+    namespace, so the route methods are copied into it.
+    """
+    from ember.platform.decorator import get_spec
+
+    routes = {spec.attr: vars(cls)[spec.attr] for spec in get_spec(cls).routes}
+    members = {**routes, "__module__": cls.__module__, "__doc__": cls.__doc__}
+    options = _serving.shipped_options(cls, batch=batch)
+    return ember.deployment(**options)(type(cls.__name__, (cls,), members))
+
+
+def build_app(parts: tuple[str, ...], batch: ember.Batch | None = None) -> ember.App:
+    """The bench app with ``parts`` (``mlp``, ``batched``, ``unbatched``, ``pipeline``);
+    ``batch``, if given, replaces the ``batched`` flagship's shipped batch."""
+    members: dict[str, Any] = {"mlp": SeedMLP, "unbatched": MiniLMUnbatched,
+                               "batched": MiniLMBatched if batch is None
+                               else rebatched(MiniLMBatched, batch)}
     chosen = [members[p] for p in parts if p in members]
     if "pipeline" in parts:
         chosen.append(ember.pipeline([BenchTokenize, BenchEncode, BenchPool],
@@ -140,10 +161,12 @@ PROBES = {"mlp": "/v2/models/mlp/infer", "batched": "/embed", "unbatched": "/emb
           "pipeline": "/embed-pipeline"}
 
 
-def start(port: int, parts: tuple[str, ...], deadline: h.Deadline) -> str:
-    """Serve the app with ``parts``; returns once each answers (its replica is up)."""
+def start(port: int, parts: tuple[str, ...], deadline: h.Deadline,
+          batch: ember.Batch | None = None) -> str:
+    """Serve the app with ``parts`` (``batch``: see :func:`build_app`); returns once each
+    answers (its replica is up)."""
     base_url = _serving.start_serve(port)
-    _serving.deploy_ember(build_app(parts), deadline)
+    _serving.deploy_ember(build_app(parts, batch), deadline)
     h.wait_until(lambda: h.http_ok(base_url + "/healthz"), "the edges", deadline,
                  poll_s=0.5)
     with httpx.Client() as client:
@@ -181,8 +204,18 @@ def check_minilm(reply: Any, b: int) -> None:
 
 
 def ember_text_body(i: int) -> bytes:
-    """Ember ``/embed``'s body: one text."""
+    """Ember ``/embed``'s body: one text, as a one-element array (answered by an array)."""
     return json.dumps([TEXTS[i % len(TEXTS)]]).encode()
+
+
+def ember_single_body(i: int) -> bytes:
+    """One text as a bare JSON string: a batch route takes it as one item, answers one object."""
+    return json.dumps(TEXTS[i % len(TEXTS)]).encode()
+
+
+def text_object_body(i: int) -> bytes:
+    """The peers' body (bare FastAPI, LitServe, plain Ray Serve): ``{"text": ...}``."""
+    return json.dumps({"text": TEXTS[i % len(TEXTS)]}).encode()
 
 
 def post(client: httpx.Client, url: str, body: bytes, deadline: h.Deadline) -> Any:

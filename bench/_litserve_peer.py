@@ -1,49 +1,49 @@
 """LitServe serving MiniLM, the throughput peer: run as a subprocess by ``bench/throughput.py``.
 
-The same model built by the same code as Ember's deployments (``find_model_files``,
-``Tokenizer``, ``build_model`` on ``safetensors`` ``load_file``, ``embed``), one torch
-thread, batching on (``max_batch_size=64``, ``batch_timeout=0.005``), one worker, one API
-server, on 127.0.0.1 at ``POST /predict`` with ``{"text": ...}``; logs at WARNING.
+The same model built by the same code as the other contenders (``_fastapi_peer.load_minilm``
+and ``embed_items``: ``find_model_files``, ``Tokenizer``, ``build_model`` on ``safetensors``
+``load_file``, ``embed``), one torch thread, batching on (``max_batch_size=32``,
+``batch_timeout=0.005``, the batch settings every batching contender gets), one worker, one
+API server, on 127.0.0.1 at ``POST /predict`` with ``{"text": ...}``; logs at WARNING.
 
-Usage (by the benchmark): ``python bench/_litserve_peer.py --port N``
+``predict`` runs in LitServe's inference worker, a process of its own that no route of the
+API server can read, so it counts its calls and texts into the file named by
+``--stats-file`` (``{"calls", "items"}``, replaced atomically after every batch, a few
+microseconds against a forward pass of milliseconds); :func:`read_counts` reads it.
+
+Usage (by the benchmark): ``python bench/_litserve_peer.py --port N --stats-file PATH``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import _harness as h
 import litserve
-import torch
-from safetensors.torch import load_file
+from _fastapi_peer import WARMUP_TEXT, embed_items, load_minilm
 
-from ember.deployments._minilm import (
-    MiniLMConfig,
-    Tokenizer,
-    build_model,
-    embed,
-    find_model_files,
-)
-
-MAX_BATCH = 64
+MAX_BATCH = 32
 BATCH_TIMEOUT_S = 0.005
 CONFIG = {"version": litserve.__version__, "max_batch_size": MAX_BATCH,
           "batch_timeout_s": BATCH_TIMEOUT_S, "workers": 1, "api_servers": 1}
 
 
 class MiniLMLitAPI(litserve.LitAPI):  # type: ignore[misc]  # litserve is untyped
-    """The same model and code as the Ember deployments, batched by LitServe."""
+    """The same model and code as the other contenders, batched by LitServe; counts batches."""
+
+    def __init__(self, stats_file: Path, **options: Any) -> None:
+        super().__init__(**options)
+        self.stats_file = stats_file  # pickled into the inference worker with the API
 
     def setup(self, device: Any) -> None:
-        torch.set_num_threads(1)
-        files = find_model_files()
-        config = MiniLMConfig.from_file(files.config)
-        self.model = build_model(load_file(str(files.weights), device="cpu"), config)
-        self.tokenizer = Tokenizer(files.tokenizer)
-        self.predict(["warm up the kernels before the server reports ready"])
+        self.model, self.tokenizer = load_minilm()
+        self.calls, self.items = 0, 0
+        self.predict([WARMUP_TEXT])
 
     # LitServe types its endpoint from these two signatures: left unannotated, the body is
     # read as JSON and the reply is sent as returned.
@@ -53,29 +53,34 @@ class MiniLMLitAPI(litserve.LitAPI):  # type: ignore[misc]  # litserve is untype
     def batch(self, inputs: Any) -> list[str]:
         return list(inputs)
 
-    def predict(self, x: Any, **kwargs: Any) -> list[tuple[list[float], int]]:
-        vectors = embed(self.model, self.tokenizer, x, batch_size=64)
-        counts = self.tokenizer.token_counts(x)
-        return list(zip(vectors.tolist(), counts, strict=True))
+    def predict(self, x: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        texts = list(x)
+        out = embed_items(self.model, self.tokenizer, texts)
+        self.calls += 1
+        self.items += len(texts)
+        partial = self.stats_file.with_name(self.stats_file.name + ".part")
+        partial.write_text(json.dumps({"calls": self.calls, "items": self.items}))
+        os.replace(partial, self.stats_file)
+        return out
 
     def unbatch(self, output: Any) -> list[Any]:
         return list(output)
 
     def encode_response(self, output, **kwargs):  # type: ignore[no-untyped-def]
-        return {"embedding": output[0], "tokens": output[1]}
+        return output
 
 
-def text_body(i: int) -> bytes:
-    """LitServe ``/predict``'s body: one text (the same texts as Ember's)."""
-    from _batching_apps import TEXTS
+def read_counts(stats_file: Path) -> tuple[int, int]:
+    """(forward passes, texts) so far, as the inference worker last wrote them."""
+    counts = json.loads(stats_file.read_text())
+    return int(counts["calls"]), int(counts["items"])
 
-    return json.dumps({"text": TEXTS[i % len(TEXTS)]}).encode()
 
-
-def start(deadline: h.Deadline) -> tuple[h.ServerProcess, str]:
+def start(deadline: h.Deadline, stats_file: Path) -> tuple[h.ServerProcess, str]:
     """Start the LitServe subprocess and wait until it is healthy; it and its URL."""
     port = h.free_port()
-    server = h.ServerProcess([sys.executable, __file__, "--port", str(port)],
+    server = h.ServerProcess([sys.executable, __file__, "--port", str(port),
+                              "--stats-file", str(stats_file)],
                              env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     url = f"http://{h.HOST}:{port}"
     try:
@@ -89,8 +94,10 @@ def start(deadline: h.Deadline) -> tuple[h.ServerProcess, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stats-file", type=Path, required=True)
     args = parser.parse_args()
-    api = MiniLMLitAPI(max_batch_size=MAX_BATCH, batch_timeout=BATCH_TIMEOUT_S)
+    api = MiniLMLitAPI(args.stats_file.resolve(), max_batch_size=MAX_BATCH,
+                       batch_timeout=BATCH_TIMEOUT_S)
     server = litserve.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1,
                                 timeout=120)
     server.run(host=h.HOST, port=args.port, num_api_servers=1, log_level="warning",

@@ -3,7 +3,9 @@
 :func:`closed_loop` runs ``c`` clients (asyncio + httpx), each sending its next request when
 its last one answered, for a bounded duration; elapsed time runs until the last answer.
 :func:`cpu_snapshot` reads CPU seconds so far of this process, of its descendants grouped by
-the part of the serving stack they are, of the peer's processes, and of the whole host.
+the part of the serving stack they are (:func:`process_group`: Serve's HTTP proxy, each
+Serve deployment's replicas, Ember's edges among them, the rest of Ray), of each peer
+server's processes, and of the whole host.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ import psutil
 
 JSON_HEADERS = {"content-type": "application/json"}
 HOST_OTHERS = "host: everything else"
+LOAD_CLIENT = "load client (this process)"
+SERVE_PROXY = "Ray Serve HTTP proxy"
+RAY_REST = "Ray core and Serve controller"
+REPLICA_TITLE = "ray::ServeReplica:"
+#: (calls, items) of a server's forward passes so far; ``(0, 0)`` where it counts none.
+Counts = Callable[[h.Deadline], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,9 @@ class LoadTarget:
     key: str
     url: str
     body: Callable[[int], bytes]
-    stats_url: str | None = None  # handler calls and items so far, where the server says
+    counts: Counts | None = None  # forward passes and items so far, where the server says
+    #: The :func:`cpu_snapshot` groups of the server's own processes, charged to it.
+    cpu_groups: tuple[str, ...] = ()
 
 
 @dataclass
@@ -102,27 +112,40 @@ def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
     return out
 
 
-def process_group(cmdline: str, app_name: str) -> str:
-    """Which part of the serving stack a process of this benchmark's Ray cluster is."""
-    if "ProxyActor" in cmdline:
-        return "Ray Serve HTTP proxy"
-    if f"{app_name}:" in cmdline or f"{app_name}#" in cmdline:
-        name = cmdline.split(app_name, 1)[1][1:].split()[0]
-        return f"Ember {name.split('#')[0].split('.')[0]}"
-    return "Ray core and Serve controller"
+def replica_group(app: str, deployment: str) -> str:
+    """The :func:`cpu_snapshot` group of the replicas of ``deployment`` in Serve app ``app``."""
+    return f"replicas {app}:{deployment}"
 
 
-def cpu_snapshot(peer_pids: set[int], app_name: str) -> dict[str, float]:
-    """CPU seconds so far: this process, its descendants by group, and the rest of the host."""
+def process_group(cmdline: str) -> str:
+    """Which part of the serving stack a process of this benchmark's Ray cluster is.
+
+    Ray titles a Serve replica's worker ``ray::ServeReplica:<app>:<deployment>`` (with
+    ``.<method>`` while it runs one), so Ember's edges are ``<app>:ember-edge``; the HTTP
+    proxy is ``ray::ProxyActor``. GCS, raylets, the Serve controller and idle workers are
+    the rest of Ray, which every contender shares.
+    """
+    if "ray::ProxyActor" in cmdline:
+        return SERVE_PROXY
+    if REPLICA_TITLE in cmdline:
+        title = cmdline.split(REPLICA_TITLE, 1)[1].split()[0]
+        app, _, deployment = title.replace("#", ":").partition(":")
+        return replica_group(app, deployment.split(".")[0])
+    return RAY_REST
+
+
+def cpu_snapshot(peers: dict[str, set[int]]) -> dict[str, float]:
+    """CPU seconds so far: this process, its descendants by group (each of ``peers``, a
+    group name to its PIDs, else :func:`process_group`), and the rest of the host."""
     def busy(t: Any) -> float:
         return float(t.user + t.system)
 
     me = psutil.Process()
-    out = {"load client (this process)": busy(me.cpu_times())}
+    out = {LOAD_CLIENT: busy(me.cpu_times())}
     for proc in me.children(recursive=True):
         try:
-            group = ("LitServe (all its processes)" if proc.pid in peer_pids
-                     else process_group(" ".join(proc.cmdline()), app_name))
+            group = next((name for name, pids in peers.items() if proc.pid in pids), None)
+            group = group or process_group(" ".join(proc.cmdline()))
             out[group] = out.get(group, 0.0) + busy(proc.cpu_times())
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -132,10 +155,11 @@ def cpu_snapshot(peer_pids: set[int], app_name: str) -> dict[str, float]:
     return out
 
 
-def handler_counts(url: str | None, deadline: h.Deadline) -> tuple[int, int]:
-    """(handler calls, items) so far, from a deployment's stats route; zeros without one."""
-    if url is None:
-        return 0, 0
-    reply = httpx.get(url, timeout=deadline.timeout(30.0))
-    reply.raise_for_status()
-    return int(reply.json()["calls"]), int(reply.json()["items"])
+def http_counts(url: str) -> Counts:
+    """Counts read from a stats route answering ``{"calls": n, "items": m}``."""
+    def read(deadline: h.Deadline) -> tuple[int, int]:
+        reply = httpx.get(url, timeout=deadline.timeout(30.0))
+        reply.raise_for_status()
+        return int(reply.json()["calls"]), int(reply.json()["items"])
+
+    return read
