@@ -38,10 +38,10 @@ def path_processes(app_name: str) -> dict[int, str]:
     found = {}
     for proc in psutil.Process().children(recursive=True):
         try:
-            group = _load.process_group(" ".join(proc.cmdline()), app_name)
+            group = _load.process_group(" ".join(proc.cmdline()))
         except psutil.Error:
             continue
-        if group != "Ray core and Serve controller":
+        if group == _load.SERVE_PROXY or f" {app_name}:" in group:
             found[proc.pid] = group
     return found
 
@@ -72,7 +72,7 @@ def summarize(raw: str) -> dict[str, Any]:
 def profile(args: Any, deadline: h.Deadline, doc: dict[str, Any]) -> None:
     base_url = apps.start(args.port or h.free_port(), ("batched",), deadline)
     target = _load.LoadTarget("Ember batched", "batched", base_url + "/embed",
-                              apps.ember_text_body, base_url + "/embed/stats")
+                              apps.ember_text_body)
     _load.closed_loop(target, args.concurrency, args.warmup_s, deadline)
     pids = path_processes(apps.APP_NAME)
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
