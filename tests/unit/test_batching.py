@@ -1,4 +1,4 @@
-"""Dynamic batching without a cluster: ``serve.batch`` runs in a plain event loop."""
+"""Dynamic batching without a cluster: Ember's batch queue runs in a plain event loop."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ import pytest
 import torch
 
 from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, Batch, make_batcher
-
-
-@pytest.fixture(autouse=True)
-def _outside_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    # serve.batch's queue only reads the replica context to log a sizing warning; there
-    # is no replica in a unit test, and the batching itself is what is under test.
-    from ray.serve import batching
-
-    warn = "_warn_if_max_batch_size_exceeds_max_ongoing_requests"
-    monkeypatch.setattr(batching._BatchQueue, warn, lambda self: None)
 
 
 class Recorder:
@@ -117,3 +107,50 @@ def test_max_concurrent_lets_batches_overlap() -> None:
 
     assert asyncio.run(main(1)) == 1
     assert asyncio.run(main(2)) == 2
+
+
+def test_requests_that_arrive_while_a_batch_runs_go_together_as_the_next_batch() -> None:
+    """A batch forms when a slot is free, not max_wait after its first request: ten
+    requests that trickle in during a 100 ms forward pass make one batch of ten, even with
+    a 1 ms wait (Ray Serve's serve.batch would queue several small batches behind it)."""
+    calls: list[int] = []
+
+    async def forward(batch: Any) -> Any:
+        calls.append(len(batch))
+        await asyncio.sleep(0.1)
+        return list(batch)
+
+    async def main() -> list[Any]:
+        submit = make_batcher(forward, Batch(max_size=32, max_wait_ms=1), LIST_CODEC)
+        first = asyncio.ensure_future(submit([0]))
+        await asyncio.sleep(0.01)  # the first batch is running
+        later = []
+        for i in range(1, 11):
+            later.append(asyncio.ensure_future(submit([i])))
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(first, *later)
+
+    assert asyncio.run(main()) == [[i] for i in range(11)]
+    assert calls == [1, 10]
+
+
+def test_a_request_that_gave_up_is_left_out_of_the_next_batch() -> None:
+    calls: list[list[int]] = []
+
+    async def forward(batch: Any) -> Any:
+        calls.append(list(batch))
+        await asyncio.sleep(0.05)
+        return list(batch)
+
+    async def main() -> Any:
+        submit = make_batcher(forward, Batch(max_size=32, max_wait_ms=1), LIST_CODEC)
+        first = asyncio.ensure_future(submit([0]))
+        await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(submit([1]))
+        kept = asyncio.ensure_future(submit([2]))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # its caller timed out while the first batch ran
+        return await asyncio.gather(first, kept)
+
+    assert asyncio.run(main()) == [[0], [2]]
+    assert calls == [[0], [2]]

@@ -64,7 +64,7 @@ class FakeHandle:
         self.ran: list[Sent] = []
         self.responses: list[FakeResponse] = []
 
-    def options(self, *, method_name: str) -> _MethodHandle:
+    def options(self, *, method_name: str, **_transport: Any) -> _MethodHandle:
         return _MethodHandle(self, method_name)
 
     def count(self, method: str) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
@@ -45,6 +46,19 @@ _FAILED_START_POLL_S = 0.5
 _FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
 
 
+def _grpc_transport() -> dict[str, Any]:
+    """Handle options that send over Serve's gRPC transport where the cluster uses it.
+
+    Ember's local cluster runs Serve with ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``, but handles
+    are built in the deploying process, whose Serve read that variable before Ember set it,
+    so they would send by Ray actor call. Serve's own proxy sends over gRPC; so do the edges.
+    """
+    return {"_by_reference": False} if os.environ.get(_GRPC_ENV) == "1" else {}
+
+
+_GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
+
+
 @dataclass
 class Outcome:
     """A handler's result, and how the cold start went if the request met one."""
@@ -66,10 +80,13 @@ class Dispatcher:
         pool_names: frozenset[str] = frozenset(),
     ) -> None:
         self._handles = handles
-        self._calls = {n: h.options(method_name="ember_call") for n, h in handles.items()}
+        grpc = _grpc_transport()
+        self._calls = {n: h.options(method_name="ember_call", **grpc)
+                       for n, h in handles.items()}
         self._options = options
         self._timeouts = timeouts or {}
-        self._pool = pool.options(method_name="ember_call") if pool is not None else None
+        self._pool = (pool.options(method_name="ember_call", **grpc) if pool is not None
+                      else None)
         self._pool_names = pool_names
         self._woken_at: dict[str, float] = {}
         self.tracker = tracker
@@ -211,7 +228,8 @@ class Dispatcher:
         if isinstance(exc, RayActorError):  # the replica process died under this request
             return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name,
                                          lost_replica=True)
-        return exc
+        # Over Serve's gRPC transport a handler's exception arrives as raised, unwrapped.
+        return _user_error(name, exc, request_id)
 
     def _wake_cold(self, stages: tuple[tuple[str, str], ...]) -> None:
         """Ping every stage that has no running replica, so all cold starts overlap.
@@ -239,8 +257,8 @@ async def _resolve(response: Any) -> Any:
     return await response
 
 
-def _user_error(deployment: str, exc: RayTaskError, request_id: str) -> EmberError:
-    cause = getattr(exc, "cause", None)
+def _user_error(deployment: str, exc: BaseException, request_id: str) -> EmberError:
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
     if isinstance(cause, EmberError):  # user code may raise Ember errors on purpose
         return cause
     logger.error("request %s: %s raised\n%s", request_id, deployment, exc)

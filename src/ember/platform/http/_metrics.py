@@ -1,7 +1,7 @@
 """Prometheus metrics exported by the edges at ``/metrics``.
 
 Each edge owns a private registry so that tests and several apps in one process never
-collide on metric names; :class:`MetricsBoard` merges the edges' registries for a scrape.
+collide on metric names; :class:`EdgeBoard` merges the edges' metrics for a scrape.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -73,13 +74,14 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class MetricsBoard:
-    """Every edge's metrics in one scrape: each edge publishes, any edge answers for all.
+class EdgeBoard:
+    """Every edge's metrics and status in one answer: each edge publishes, any edge answers.
 
-    The kernel spreads connections over the edges, so a scrape reaches one of them at
-    random. Each edge publishes its exposition to Ray's internal key-value store about once a
-    second; ``/metrics`` merges the fresh ones, every sample labelled with its ``edge``, as
-    Prometheus labels per-instance series. An edge silent for ``STALE_S`` is dropped.
+    The kernel spreads connections over the edges, so a scrape or a status call reaches one
+    of them at random. Each edge publishes its exposition and its status to Ray's internal
+    key-value store about once a second. ``/metrics`` merges the fresh expositions, every
+    sample labelled with its ``edge``, as Prometheus labels per-instance series; ``/-/status``
+    adds up the edges' request counts. An edge silent for ``STALE_S`` is dropped.
     """
 
     NAMESPACE = "ember"
@@ -91,10 +93,10 @@ class MetricsBoard:
     def _key(self, edge: str) -> str:
         return f"metrics:{self.app}:{edge}"
 
-    def publish(self, text: bytes) -> None:
+    def publish(self, text: bytes, status: dict[str, Any]) -> None:
         from ray.experimental import internal_kv
 
-        value = json.dumps({"at": time.time(), "text": text.decode()}).encode()
+        value = json.dumps({"at": time.time(), "text": text.decode(), "status": status}).encode()
         internal_kv._internal_kv_put(self._key(self.edge), value, overwrite=True,
                                      namespace=self.NAMESPACE)
 
@@ -105,7 +107,8 @@ class MetricsBoard:
 
     def render_all(self, own: bytes) -> bytes:
         """This edge's ``own`` exposition merged with every other edge's fresh one."""
-        texts = {self.edge: own.decode(), **self._others()}
+        texts = {self.edge: own.decode(),
+                 **{edge: str(value["text"]) for edge, value in self._others().items()}}
         merged: dict[str, Metric] = {}
         for edge, text in sorted(texts.items()):
             for family in text_string_to_metric_families(text):
@@ -117,7 +120,19 @@ class MetricsBoard:
         registry.register(_Fixed(list(merged.values())))
         return generate_latest(registry)
 
-    def _others(self) -> dict[str, str]:
+    def status_all(self, own: dict[str, Any]) -> dict[str, Any]:
+        """This edge's ``own`` status with every other fresh edge's requests added in."""
+        others = [value["status"] for value in self._others().values()]
+        rows = {row["deployment"]: dict(row) for row in own["deployments"]}
+        for status in others:
+            for row in status.get("deployments", []):
+                mine = rows.get(row.get("deployment"))
+                if mine is not None:
+                    _add_counts(mine, row)
+        edges = {**own["edges"], "answering": 1 + len(others)}
+        return {**own, "deployments": list(rows.values()), "edges": edges}
+
+    def _others(self) -> dict[str, dict[str, Any]]:
         from ray.experimental import internal_kv
 
         prefix = self._key("")
@@ -131,8 +146,18 @@ class MetricsBoard:
             except (ValueError, KeyError, TypeError):  # damaged: skip it rather than fail
                 continue
             if edge != self.edge and fresh:
-                found[edge] = str(value["text"])
+                found[edge] = value
         return found
+
+
+def _add_counts(mine: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add another edge's request counts to ``mine``; keep the latest cold start."""
+    for key in ("ongoing", "queued", "cold_starts"):
+        mine[key] = int(mine.get(key) or 0) + int(other.get(key) or 0)
+    theirs = other.get("last_cold_start")
+    if theirs and (not mine.get("last_cold_start")
+                   or float(theirs["at"]) > float(mine["last_cold_start"]["at"])):
+        mine["last_cold_start"] = theirs
 
 
 class _Fixed(Collector):

@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
-from ember.platform.http._metrics import MetricsBoard
+from ember.platform.http._metrics import EdgeBoard
 from ember.platform.http._state import EDGE_DEPLOYMENT
 from ember.platform.http.ingress import IngressState, build_fastapi
 
@@ -84,7 +84,7 @@ class EmberEdge:
     async def __init__(self, host: str, port: int, state_args: dict[str, Any]) -> None:  # type: ignore[misc]
         bind_replica_grpc_to_node_ip()
         state = IngressState(**state_args)
-        self._board = state.board = MetricsBoard(state.app_name, _edge_id())
+        self._board = state.board = EdgeBoard(state.app_name, _edge_id())
         # Know the replica counts before taking a connection: a request must not be sent
         # to a deployment's own replicas while they are still at zero and the pool is warm.
         await state.poll_once()

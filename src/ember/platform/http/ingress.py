@@ -44,7 +44,7 @@ from ember.platform.http._asgi import (
     request_id_of,
 )
 from ember.platform.http._dispatch import Dispatcher
-from ember.platform.http._metrics import Metrics, MetricsBoard
+from ember.platform.http._metrics import EdgeBoard, Metrics
 from ember.platform.http._state import LoadTracker
 from ember.platform.http._strict_json import (
     ContentEncodingMiddleware,
@@ -81,8 +81,8 @@ class IngressState:
         self.routes = routes
         self.protocols = protocols
         self.metrics = Metrics()
-        #: Set by the edge that serves this state: the other edges' metrics, for a scrape.
-        self.board: MetricsBoard | None = None
+        #: Set by the edge that serves this state: the other edges' metrics and status.
+        self.board: EdgeBoard | None = None
         self.tracker = LoadTracker(options, self.metrics)
         self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
         self.tracker.pool_expected = pool is not None
@@ -123,7 +123,13 @@ class IngressState:
             self.tracker.update_replicas(name, overview)
         self.tracker.polled = True
         if self.board is not None:
-            await asyncio.to_thread(self.board.publish, self.metrics.render())
+            await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
+
+    async def status_all(self) -> dict[str, Any]:
+        """The status, with every other edge's request counts added when there are others."""
+        own = self.status()
+        return own if self.board is None else await asyncio.to_thread(self.board.status_all,
+                                                                      own)
 
     async def render_metrics(self) -> bytes:
         """This edge's metrics, with every other edge's when it runs beside others."""
@@ -359,7 +365,7 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
         return Response(await state.render_metrics(), media_type="text/plain; version=0.0.4")
 
     async def status() -> Response:
-        return JSONResponse(state.status())
+        return JSONResponse(await state.status_all())
 
     routes: dict[str, Callable[[], Awaitable[Response]]] = {
         "/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/-/status": status}
