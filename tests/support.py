@@ -67,5 +67,26 @@ def wait_for_scale_down(url: str, name: str, *, to: int, timeout_s: float,
 
     wait_for(above, timeout_s, what=f"{name} above {to} replica(s) before it scales down",
              interval_s=0.1)
-    wait_for(lambda: replicas_up(url, name) == to, timeout_s,
-             what=f"{name} to scale down to {to} replica(s)")
+    wait_for(lambda: every_edge_sees(url, name, to), timeout_s,
+             what=f"{name} to scale down to {to} replica(s), as every edge sees it")
+
+
+def every_edge_sees(url: str, name: str, replicas: int) -> bool:
+    """Whether every edge counts ``replicas`` of ``name`` running or starting.
+
+    Each edge reads replica counts from Serve's controller about once a second, so right
+    after a change they may differ; the kernel gives each new connection to either edge.
+    """
+    seen: dict[int, int] = {}
+    expected = 1
+    for _ in range(24):
+        reply = httpx.get(f"{url}/-/status", timeout=10)  # a new connection each time
+        reply.raise_for_status()
+        status = reply.json()
+        expected = max(expected, int(status["edges"]["running"]))
+        row = next(r for r in status["deployments"] if r["deployment"] == name)
+        seen[int(status["edges"]["pid"])] = (int(row["replicas_running"])
+                                             + int(row["replicas_starting"]))
+        if len(seen) >= expected:
+            break
+    return len(seen) >= expected and set(seen.values()) == {replicas}
