@@ -154,3 +154,19 @@ def test_a_request_that_gave_up_is_left_out_of_the_next_batch() -> None:
 
     assert asyncio.run(main()) == [[0], [2]]
     assert calls == [[0], [2]]
+
+
+def test_one_poisoned_item_in_64_costs_at_most_13_forward_calls() -> None:
+    rec = Recorder(fail_on=37)
+
+    async def main() -> list[Any]:
+        submit = make_batcher(rec, Batch(max_size=64, max_wait_ms=50), LIST_CODEC)
+        return await asyncio.gather(*(submit([i]) for i in range(64)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[37], ValueError)
+    assert [r for i, r in enumerate(results) if i != 37] == [[i * 10] for i in range(64)
+                                                            if i != 37]
+    # The whole batch, then two halves per level down to the bad item: 1 + 2 * log2(64).
+    assert len(rec.calls) == 13, rec.calls
+    assert rec.calls[0] == 64 and sorted(rec.calls[1:3]) == [32, 32]

@@ -14,8 +14,9 @@ for a slot; with the handler in a worker thread (as Ember runs sync handlers) th
 stays free, so it queued many small batches behind the running one: measured on MiniLM at
 c=32, 1.4 texts per forward pass where a handler that blocks the loop got 2.4.
 
-When a whole batch raises, each request in it is retried alone, so one bad item fails
-only its own request and its neighbours still get answers.
+When a whole batch raises, it is bisected: each half is retried, and a half that raises is
+halved again, so one bad item fails only its own request, its neighbours still get answers,
+and finding it costs at most 1 + 2 * log2(n) calls rather than n + 1.
 """
 
 from __future__ import annotations
@@ -190,13 +191,19 @@ def make_batcher(run: BatchFn, batch: Batch, codec: Codec) -> Callable[[Any], Aw
     """
 
     async def run_parts(parts: list[Any]) -> list[Any]:
+        """Results per request; a batch that raises is bisected to isolate bad requests.
+
+        Halving finds one bad request among n in at most 1 + 2 * log2(n) calls (13 for
+        64) instead of n + 1, and the good halves are answered on the way.
+        """
         sizes = [len(p) for p in parts]
         try:
             return codec.cut(await run(codec.join(parts)), sizes)
         except Exception as exc:
             if len(parts) == 1:
                 return [_Failed(exc)]
-        return [(await run_parts([part]))[0] for part in parts]  # isolate the bad request
+        middle = len(parts) // 2
+        return [*await run_parts(parts[:middle]), *await run_parts(parts[middle:])]
 
     queue = _BatchQueue(run_parts, batch)
 
