@@ -1,1 +1,1 @@
-"""The platform layer: decorator, config, ingress, autoscaling policy, runtime, CLI."""
+"""The platform layer: decorator, config, the edge, autoscaling policy, runtime, CLI."""

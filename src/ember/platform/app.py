@@ -1,4 +1,4 @@
-"""``ember.App``: a named group of deployments served together behind one ingress."""
+"""``ember.App``: a named group of deployments served together behind Ember's edges."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ember.platform.pipeline import PipelineSpec
 
 
 class App:
-    """An application: deployments plus the routes the ingress serves for them.
+    """An application: deployments plus the routes the edges serve for them.
 
     Args:
         deployments: Classes decorated with ``@ember.deployment`` (their routes are served)

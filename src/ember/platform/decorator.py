@@ -57,7 +57,7 @@ class RouteSpec:
 
     @property
     def http_servable(self) -> bool:
-        """Whether the ingress can parse this route's body from JSON by itself."""
+        """Whether the edge can parse this route's body from JSON by itself."""
         if self.kind == "tensor" or not self.path:
             return False
         if self.kind != "value":

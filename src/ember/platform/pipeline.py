@@ -1,9 +1,9 @@
 """``ember.pipeline``: stages that are deployments of their own, chained behind one route.
 
 Each stage keeps its own floor, batching and scaling (cheap CPU stages can stay warm while
-the model stage scales to zero). The ingress passes each stage's ``DeploymentResponse`` to
+the model stage scales to zero). The edge passes each stage's ``DeploymentResponse`` to
 the next stage's handle, so intermediate results go from replica to replica through Ray's
-object store without a round trip through the ingress, and it wakes every cold stage at
+object store without a round trip through the edge, and it wakes every cold stage at
 once when a request arrives, so a cold pipeline costs about its slowest stage's cold start
 rather than the sum.
 """

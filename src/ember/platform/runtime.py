@@ -40,10 +40,10 @@ DEFAULT_PORT = 8000
 #: Ray Serve's in-process throughput settings (part of its ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
 #: mode), set for the clusters Ember starts. Measured on 2 cores with MiniLM at concurrency 32
 #: (``bench/throughput.py``): 10-30% more requests per second, because each request
-#: costs less CPU in Serve's proxy, the ingress and the replicas. Ember's replica methods are
-#: async and run sync user code in worker threads, so user code may share the replica's event
-#: loop. The rest of that mode (direct ingress, HAProxy) is left off: HAProxy listens on every
-#: interface and direct ingress needs a load balancer in front of the replicas' own ports.
+#: costs less CPU in Serve's proxy, the ingress (both since replaced by the edges) and the
+#: replicas. Ember's replica methods are async and run sync user code in worker threads, so user
+#: code may share the replica's event loop. The rest of that mode (direct ingress, HAProxy) is
+#: left off: HAProxy listens on every interface, and Ember's edges do direct ingress's job.
 #: Values already in the environment win; on an existing cluster set them where ``ray start``
 #: runs.
 THROUGHPUT_SETTINGS = {
@@ -53,7 +53,8 @@ THROUGHPUT_SETTINGS = {
     # mode set SYNC_HANDLE_ENV (below).
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    # Proxy and handles talk to replicas over direct gRPC, not through the object store.
+    # Handles talk to replicas over direct gRPC, not through the object store (the edges
+    # restate it on their handles: see http/_dispatch.py).
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     # Objects alive after a replica's constructor are never scanned by the GC again.
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
@@ -136,7 +137,7 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> N
             [*user_paths, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
     if address is None:
-        # Local workers, the Serve controller and its proxy inherit this environment.
+        # Local workers and the Serve controller inherit this environment.
         for name, value in {**THROUGHPUT_SETTINGS, **LOCAL_CLUSTER_ENV}.items():
             os.environ.setdefault(name, value)
         use_loopback_node_ip()

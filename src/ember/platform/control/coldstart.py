@@ -79,7 +79,7 @@ def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | No
     """Phases of a cold request from its arrival, its answer and the serving replica's marks.
 
     Args:
-        arrived_at: wall-clock time the ingress received the request.
+        arrived_at: wall-clock time the edge received the request.
         answered_at: wall-clock time its answer came back.
         timeline: marks of the replica that served it, if known.
         path: ``replica`` or ``pool``.

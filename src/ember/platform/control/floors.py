@@ -3,7 +3,7 @@
 The floor a deployment's policy respects at any moment is the largest of its constant
 ``warm_floor``, any unexpired lease, and its schedule. Everything here is a pure function
 of the clock except :class:`LeaseStore`, which keeps leases in Ray's cluster-wide key-value
-store so that the ingress (which grants them) and the controller (whose policy reads them)
+store so that the edges (which grant them) and the controller (whose policy reads them)
 agree without a new service.
 
 Example:

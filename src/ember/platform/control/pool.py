@@ -2,7 +2,7 @@
 
 A pool replica is an ordinary Ray Serve replica whose process has already imported torch and
 the app's modules. When a request reaches a deployment with no running replica, the
-ingress sends it to the pool *and* wakes the deployment; the pool constructs the
+edge sends it to the pool *and* wakes the deployment; the pool constructs the
 deployment's class in its warm process (``setup()`` maps the weights from the node cache:
 milliseconds, not the seconds of a process start and imports) and answers, while the
 deployment's own replica starts. Once that replica runs, traffic goes to it. Deployments
