@@ -93,16 +93,7 @@ def build_api() -> FastAPI:
 
 def start(deadline: h.Deadline) -> tuple[h.ServerProcess, str]:
     """Start the FastAPI subprocess and wait until it is healthy; it and its URL."""
-    port = h.free_port()
-    server = h.ServerProcess([sys.executable, __file__, "--port", str(port)],
-                             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    url = f"http://{h.HOST}:{port}"
-    try:
-        server.wait_ready(url + "/health", deadline)
-    except BaseException:
-        server.stop()
-        raise
-    return server, url
+    return h.start_peer(__file__, [], deadline)
 
 
 def main() -> int:

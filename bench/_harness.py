@@ -286,6 +286,23 @@ class ServerProcess:
             self.log.unlink(missing_ok=True)
 
 
+def start_peer(script: str, args: list[str], deadline: Deadline) -> tuple[ServerProcess, str]:
+    """Run a peer's server ``script`` on a free port (one torch thread) until ``/health``.
+
+    Returns the process and its base URL; a peer that never gets healthy is stopped.
+    """
+    port = free_port()
+    server = ServerProcess([sys.executable, script, "--port", str(port), *args],
+                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    url = f"http://{HOST}:{port}"
+    try:
+        server.wait_ready(url + "/health", deadline)
+    except BaseException:
+        server.stop()
+        raise
+    return server, url
+
+
 # --- results -------------------------------------------------------------------------------
 
 

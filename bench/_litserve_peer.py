@@ -78,17 +78,7 @@ def read_counts(stats_file: Path) -> tuple[int, int]:
 
 def start(deadline: h.Deadline, stats_file: Path) -> tuple[h.ServerProcess, str]:
     """Start the LitServe subprocess and wait until it is healthy; it and its URL."""
-    port = h.free_port()
-    server = h.ServerProcess([sys.executable, __file__, "--port", str(port),
-                              "--stats-file", str(stats_file)],
-                             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    url = f"http://{h.HOST}:{port}"
-    try:
-        server.wait_ready(url + "/health", deadline)
-    except BaseException:
-        server.stop()
-        raise
-    return server, url
+    return h.start_peer(__file__, ["--stats-file", str(stats_file)], deadline)
 
 
 def main() -> int:
