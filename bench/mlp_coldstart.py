@@ -150,6 +150,11 @@ class ScaleUpProbe(threading.Thread):
             self.stopped.wait(0.05)
 
 
+def url_of(target: Target, base_url: str) -> str:
+    """Ember on its edges at ``base_url``; the plain peers behind Serve's proxy."""
+    return (base_url if target is EMBER else _serving.plain_url()) + target.path
+
+
 def post_mlp(client: httpx.Client, url: str, deadline: h.Deadline) -> httpx.Response:
     """One POST; the reply, or an error unless it is a 200 of the right shape."""
     reply = client.post(url, json=PAYLOAD, timeout=deadline.timeout())
@@ -167,7 +172,7 @@ def cold_trial(target: Target, base_url: str, deadline: h.Deadline, out: Samples
     probe.start()
     with httpx.Client() as client:
         sent_wall, sent = time.time(), time.perf_counter()
-        reply = post_mlp(client, base_url + target.path, deadline)
+        reply = post_mlp(client, url_of(target, base_url), deadline)
         took = time.perf_counter() - sent
     probe.stopped.set()
     probe.join(timeout=5)
@@ -184,7 +189,7 @@ def cold_trial(target: Target, base_url: str, deadline: h.Deadline, out: Samples
 def warm_run(target: Target, base_url: str, n: int, deadline: h.Deadline) -> list[float]:
     """Milliseconds of ``n`` sequential requests after the untimed warm-up (from zero)."""
     wait_all_at_zero(deadline)
-    url, latencies = base_url + target.path, []
+    url, latencies = url_of(target, base_url), []
     with httpx.Client() as client:
         for _ in range(WARMUP_REQUESTS):
             post_mlp(client, url, deadline)
@@ -198,7 +203,7 @@ def warm_run(target: Target, base_url: str, n: int, deadline: h.Deadline) -> lis
 def check_same_model(base_url: str, deadline: h.Deadline) -> float:
     """Max abs difference of the peers' outputs from Ember's on the same input."""
     with httpx.Client() as client:
-        rows = [post_mlp(client, base_url + t.path, deadline).json()["outputs"][0]
+        rows = [post_mlp(client, url_of(t, base_url), deadline).json()["outputs"][0]
                 for t in TARGETS]
     diff = float(max(abs(a - b) for row in rows[1:]
                      for a, b in zip(rows[0], row, strict=True)))
