@@ -15,7 +15,7 @@ import pytest
 
 from apps import features
 from serving import ServeApp
-from support import deployment_status, wait_for
+from support import every_edge_sees, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -136,8 +136,8 @@ def test_concurrent_oip_requests_are_stacked_and_split(url: str) -> None:
 
 
 def test_cold_pipeline_wakes_every_stage_at_once(url: str) -> None:
-    for name in ("Mid", "Post"):
-        wait_for(lambda n=name: deployment_status(url, n)["replicas_running"] == 0, 60,  # type: ignore[misc]
+    for name in ("Mid", "Post"):  # as every edge sees it: the one that answers wakes them
+        wait_for(lambda n=name: every_edge_sees(url, n, 0), 60,  # type: ignore[misc]
                  what=f"{name} at zero")
     reply = httpx.post(f"{url}/pipe", json={"text": "abc"}, timeout=120)
     assert reply.status_code == 200, reply.text

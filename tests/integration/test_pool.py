@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apps import pool
 from serving import ServeApp
-from support import deployment_status, replicas_up, wait_for
+from support import deployment_status, every_edge_sees, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -26,8 +26,8 @@ def _phases(header: str) -> dict[str, str]:
 
 
 def _ask_at_zero(url: str, deployment: str, path: str, question: str) -> httpx.Response:
-    """One request sent while ``deployment`` has no replica at all: a cold start."""
-    wait_for(lambda: replicas_up(url, deployment) == 0, 30, what=f"{deployment} at zero")
+    """One request sent while ``deployment`` has no replica at all, as every edge sees it."""
+    wait_for(lambda: every_edge_sees(url, deployment, 0), 30, what=f"{deployment} at zero")
     return httpx.post(f"{url}{path}", json={"question": question}, timeout=60)
 
 

@@ -113,14 +113,14 @@ class _BatchQueue:
         self._waiting: list[_Waiting] = []
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(batch.max_concurrent)
-        self._loop: asyncio.Task[None] | None = None
+        self._former: asyncio.Task[None] | None = None  # runs _form_batches
 
     async def submit(self, part: Any) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(part, len(part), future))
         self._arrived.set()
-        if self._loop is None or self._loop.done():
-            self._loop = asyncio.create_task(self._form_batches())
+        if self._former is None or self._former.done():
+            self._former = asyncio.create_task(self._form_batches())
         return await future
 
     async def _form_batches(self) -> None:

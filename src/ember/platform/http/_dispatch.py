@@ -46,6 +46,9 @@ _FAILED_START_POLL_S = 0.5
 _FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
 
 
+_GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
+
+
 def _grpc_transport() -> dict[str, Any]:
     """Handle options that send over Serve's gRPC transport where the cluster uses it.
 
@@ -54,9 +57,6 @@ def _grpc_transport() -> dict[str, Any]:
     so they would send by Ray actor call. Serve's own proxy sends over gRPC; so do the edges.
     """
     return {"_by_reference": False} if os.environ.get(_GRPC_ENV) == "1" else {}
-
-
-_GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 
 
 @dataclass

@@ -4,7 +4,7 @@ Each edge is a Ray Serve replica that serves Ember's ASGI app (``ingress.build_f
 with uvicorn on its own listening socket and calls the model replicas through
 ``DeploymentHandle``s. Serve's own HTTP proxy is not started: a request crosses one Ray hop,
 edge -> replica, as it does on plain Ray Serve (proxy -> replica), instead of two (proxy ->
-ingress replica -> model replica), which measured 0.43x plain Ray Serve at c=32.
+ingress replica -> model replica); ``bench/throughput.py`` compares the two engines.
 
 Edges share one port with ``SO_REUSEPORT``, so the kernel spreads connections over them and
 a dead edge only drops the requests in flight on it. Serve keeps the edge count: it health

@@ -59,6 +59,7 @@ logger = logging.getLogger("ember.ingress")
 
 _STATUS_POLL_S = 1.0
 _FAST_POLL_S = 0.25
+_PUBLISH_EVERY_S = 1.0
 _DEFAULT_BODY_LIMIT = 1 << 20
 
 
@@ -83,6 +84,7 @@ class IngressState:
         self.metrics = Metrics()
         #: Set by the edge that serves this state: the other edges' metrics and status.
         self.board: EdgeBoard | None = None
+        self._published_at = -_PUBLISH_EVERY_S
         self.tracker = LoadTracker(options, self.metrics)
         self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
         self.tracker.pool_expected = pool is not None
@@ -122,7 +124,10 @@ class IngressState:
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         self.tracker.polled = True
-        if self.board is not None:
+        # Once a second is enough for a scrape; fast polls (0.25 s) need not publish each time.
+        now = time.monotonic()
+        if self.board is not None and now - self._published_at >= _PUBLISH_EVERY_S:
+            self._published_at = now
             await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
 
     async def status_all(self) -> dict[str, Any]:
