@@ -154,8 +154,8 @@ def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
     assert status["cold_starts"] >= 1
 
 
-def test_burst_at_zero_asks_for_its_replicas_at_once(url: str) -> None:
-    n, options = 20, core.app.spec("Cold").options
+def test_burst_of_16_at_zero_asks_for_8_replicas_before_the_first_runs(url: str) -> None:
+    n, options = 16, core.app.spec("Cold").options
     promised = min(math.ceil(n / options.target_queue_depth), options.max_replicas)
     _cold_at_zero(url)
     with ControllerWatch(core.app.name, "Cold") as watch:
@@ -165,6 +165,7 @@ def test_burst_at_zero_asks_for_its_replicas_at_once(url: str) -> None:
     assert first_running is not None, "no sample saw a running replica of Cold"
     before = [s for s in watch.samples if s.at < first_running.at]
     asked = max(s.target for s in before)
+    assert promised == 8, "the app under test must promise 16 / 2 = 8 replicas"
     # One decision, before any replica could serve: what the queue needs, capped.
     assert asked == promised, (
         f"while no replica of Cold ran, the controller asked for {asked} replica(s) for "

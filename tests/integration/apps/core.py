@@ -71,7 +71,7 @@ class WorkIn(BaseModel):
     seconds: float = 0.3
 
 
-@ember.deployment(route="/cold", warm_floor=0, max_replicas=4, num_cpus=0.1,
+@ember.deployment(route="/cold", warm_floor=0, max_replicas=8, num_cpus=0.05,
                   target_queue_depth=2, max_ongoing_requests=2, scaledown_after_s=2.0)
 class Cold:
     async def __call__(self, body: WorkIn) -> dict[str, int]:
