@@ -123,6 +123,25 @@ def test_queue_full_is_fast_503_with_retry_after(url: str) -> None:
              == 200, 20, what="recovery")
 
 
+def test_unplaceable_replica_is_a_503_with_its_reason_within_10_s(url: str) -> None:
+    sent = time.monotonic()
+    reply = httpx.post(f"{url}/huge", timeout=60)
+    waited = time.monotonic() - sent
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "WaitingForResources"
+    assert error["message"].startswith(
+        "deployment 'Huge' is waiting for resources: needs CPU 64.0, "), error
+    assert reply.headers["retry-after"] == "5"
+    assert waited < 10, f"the caller waited {waited:.1f} s for the reason"
+    # While the replica is still asked for, a second caller is refused without waiting,
+    # and the status says why.
+    again = httpx.post(f"{url}/huge", timeout=60)
+    assert again.status_code == 503 and again.elapsed.total_seconds() < 1.0
+    huge = deployment_status(url, "Huge")
+    assert str(huge["waiting_for_resources"]).startswith("waiting for resources: needs CPU 64.0")
+
+
 def test_floor_is_respected_when_idle(url: str) -> None:
     time.sleep(4)  # > 3x scaledown_after_s of Echo
     assert deployment_status(url, "Echo")["replicas_running"] >= 1

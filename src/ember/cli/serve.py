@@ -91,7 +91,9 @@ def render_status(status: dict[str, Any]) -> str:
                      str(d["ongoing"]), str(d["queued"]), str(d["floor"]),
                      _cold_text(d.get("last_cold_start"))))
     ready = "ready" if status.get("ready") else "not ready"
-    return f"app {status['app']} ({ready})\n" + _table(rows)
+    notes = [f"{d['deployment']}: {d['waiting_for_resources']}" for d in status["deployments"]
+             if d.get("waiting_for_resources")]
+    return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes])
 
 
 def plan_rows(status: dict[str, Any]) -> list[tuple[str, ...]]:

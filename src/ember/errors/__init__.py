@@ -27,6 +27,7 @@ facts reach logs, callers and tests::
     ├── ServiceError (503)             the server's state, not the caller's input
     │   ├── QueueFull (503)            over max_queue: rejected at once with Retry-After
     │   ├── DeploymentUnavailable (503)
+    │   │   └── WaitingForResources    no node has room for a replica; with the reason
     │   ├── UserCodeError (500)        the handler raised; the replica keeps serving
     │   └── RequestTimeout (504)       over request_timeout_s; the work is cancelled
     ├── WeightsError (503)             weights that cannot be trusted or fetched
@@ -72,6 +73,7 @@ from ember.errors._base import (
     RequestTimeout,
     ServiceError,
     UserCodeError,
+    WaitingForResources,
     WeightsError,
 )
 from ember.errors._edge import (
@@ -151,6 +153,7 @@ __all__ = [
     "UnsafePath",
     "UnsupportedMediaType",
     "UserCodeError",
+    "WaitingForResources",
     "WeightsError",
     "WeightsNotFound",
 ]

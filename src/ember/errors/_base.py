@@ -110,6 +110,16 @@ class DeploymentUnavailable(ServiceError):
         return {"Retry-After": "1"}
 
 
+class WaitingForResources(DeploymentUnavailable):
+    """No node has room for the deployment's replica, and nothing else can serve it."""
+
+    template = "deployment '{deployment}' is {detail}"
+
+    def headers(self) -> dict[str, str]:
+        # Resources free up when other replicas scale down (seconds) or a node joins.
+        return {"Retry-After": "5"}
+
+
 class UserCodeError(ServiceError):
     status_code = 500
     template = "deployment '{deployment}' raised {error_type}; request id {request_id}"

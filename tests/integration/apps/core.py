@@ -79,5 +79,12 @@ class Cold:
         return {"item": body.item}
 
 
+# More CPU than the test cluster has: its replica can never be placed.
+@ember.deployment(route="/huge", warm_floor=0, num_cpus=64, scaledown_after_s=10.0)
+class Huge:
+    def __call__(self) -> dict[str, str]:
+        return {"placed": "somehow"}
+
+
 # No warm pool: these tests are about the deployments' own replicas and the policy.
-app = ember.App([Echo, Sleeper, Faulty, Cold], name="core-tests", warm_pool=0)
+app = ember.App([Echo, Sleeper, Faulty, Cold, Huge], name="core-tests", warm_pool=0)

@@ -28,6 +28,7 @@ from ember.errors import (
     QueueFull,
     RequestTimeout,
     UserCodeError,
+    WaitingForResources,
 )
 from ember.platform.config import DeploymentOptions
 from ember.platform.control import coldstart
@@ -107,6 +108,7 @@ class Dispatcher:
         with self._tracking([name for name, _ in chain]) as cold:
             if not route.chain and self._pool_can_serve(route.deployment):
                 return await self._via_pool(route, body, request_id, arrived)
+            self._refuse_unplaced([name for name, _ in chain])
             self._wake_cold(chain[1:])
             result = await self._send_chain(route, chain, body, request_id)
         report = await self._replica_report(route.deployment, arrived) if cold else None
@@ -206,6 +208,7 @@ class Dispatcher:
                 done, _ = await asyncio.wait({task}, timeout=_FAILED_START_POLL_S)
                 if done:
                     return task.result()
+                self._refuse_unplaced(names)
                 for name in names:
                     load = self.tracker.loads[name]
                     if load.running == 0 and load.status in _FAILED_STATUSES:
@@ -213,6 +216,13 @@ class Dispatcher:
                                                     deployment=name)
         finally:
             task.cancel()
+
+    def _refuse_unplaced(self, names: list[str]) -> None:
+        """503 at once for a stage whose replica no node has room for (see placement.py)."""
+        for name in names:
+            load = self.tracker.loads[name]
+            if load.running == 0 and load.waiting_for:
+                raise WaitingForResources(load.waiting_for, deployment=name)
 
     def _map_error(self, exc: BaseException, name: str, request_id: str) -> BaseException:
         # RayTaskError first: Ray re-raises a replica's error as a subclass of both

@@ -34,6 +34,8 @@ class DeploymentLoad:
     last_cold_start_at: float | None = None
     cold_starts: int = 0
     replica_states: dict[str, int] = field(default_factory=dict)
+    #: Why a starting replica is not placed ("waiting for resources: ..."), when it is not.
+    waiting_for: str | None = None
 
     @property
     def queued(self) -> int:
@@ -58,7 +60,8 @@ class DeploymentLoad:
                 {"at": self.last_cold_start_at, **self.last_cold_start.as_dict()}
                 if self.last_cold_start else None),
             "cold_start_budget_s": self.options.cold_start_budget_s,
-            "message": self.message,
+            "message": self.waiting_for or self.message,
+            "waiting_for_resources": self.waiting_for,
         }
 
 
@@ -111,6 +114,10 @@ class LoadTracker:
             self.metrics.replicas.labels(deployment, state.lower()).set(states.get(state, 0))
         self.metrics.floor.labels(deployment).set(load.options.warm_floor)
         self._publish(load)
+
+    def unplaced(self) -> list[DeploymentLoad]:
+        """Deployments with no running replica and one starting: those that may be unplaced."""
+        return [load for load in self.loads.values() if load.running == 0 and load.starting > 0]
 
     def changing(self) -> bool:
         """Whether some deployment is starting replicas or has requests waiting at zero."""

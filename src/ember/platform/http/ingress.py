@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from ember import settings
 from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
 from ember.platform.config import DeploymentOptions, check_name
-from ember.platform.control import floors
+from ember.platform.control import floors, placement
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._asgi import (
     COLD_START_HEADER,
@@ -123,12 +123,30 @@ class IngressState:
         overviews = await asyncio.to_thread(read_replica_states, self.app_name)
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
+        await self._check_placement()
         self.tracker.polled = True
         # Once a second is enough for a scrape; fast polls (0.25 s) need not publish each time.
         now = time.monotonic()
         if self.board is not None and now - self._published_at >= _PUBLISH_EVERY_S:
             self._published_at = now
             await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
+
+    async def _check_placement(self) -> None:
+        """Say why a starting replica waits, when Ray has no node with room for it."""
+        starting = self.tracker.unplaced()
+        for load in self.tracker.loads.values():
+            if load not in starting:
+                load.waiting_for = None
+        if not starting:
+            return
+        try:
+            pending, free = await asyncio.to_thread(placement.cluster_view)
+        except Exception:  # best effort: without the view, requests wait as they would
+            logger.debug("cluster resource view unavailable", exc_info=True)
+            return
+        for load in starting:
+            need = placement.replica_shape(load.options.num_cpus, load.options.num_gpus)
+            load.waiting_for = placement.unplaceable(need, pending=pending, free=free)
 
     async def status_all(self) -> dict[str, Any]:
         """The status, with every other edge's request counts added when there are others."""
