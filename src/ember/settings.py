@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="port `ember run` listens on")
     url: str | None = Field(None, description="where `ember status|warm|plan` look")
     warm_pool: int = Field(1, ge=0, description="warm pool replicas of an App (0 = off)")
+    warm_pool_bytes: int = Field(
+        2 << 30, ge=0, description="model memory one pool replica keeps constructed"
+    )
     scaledown_after_s: float | None = Field(
         None, ge=0, allow_inf_nan=False, description="overrides every deployment's quiet time"
     )

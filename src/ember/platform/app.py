@@ -26,6 +26,9 @@ class App:
         protocols: Client APIs served on top (OpenAI embeddings, Open Inference v2).
         warm_pool: Pre-warmed pool replicas that serve deployments at zero replicas while
             their own replicas start; ``None`` reads ``EMBER_WARM_POOL`` (default 1), 0 = off.
+        warm_pool_bytes: Model memory (torch parameters and buffers) each pool replica keeps
+            constructed, least recently used out; ``None`` reads ``EMBER_WARM_POOL_BYTES``
+            (default 2 GiB).
 
     Raises:
         ConfigError: on duplicate deployment names or routes.
@@ -48,6 +51,7 @@ class App:
         curl: str | None = None,
         protocols: Sequence[Protocol] = (),
         warm_pool: int | None = None,
+        warm_pool_bytes: int | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"app name {name!r} must look like 'ember' or 'my-app'")
@@ -57,6 +61,7 @@ class App:
         self.curl = curl
         self.protocols = tuple(protocols)
         self.warm_pool = _pool_size(warm_pool)
+        self.warm_pool_bytes = _pool_bytes(warm_pool_bytes)
         self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
         self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
         stages = [stage for pipe in self.pipelines for stage in pipe.stages]
@@ -115,6 +120,14 @@ class App:
 
     def __repr__(self) -> str:
         return f"App(name={self.name!r}, deployments={[s.name for s in self.specs]})"
+
+
+def _pool_bytes(size: int | None) -> int:
+    if size is None:
+        size = settings.load().warm_pool_bytes
+    if size < 0:
+        raise ConfigError(f"warm_pool_bytes must be 0 or more, got {size}")
+    return size
 
 
 def _pool_size(size: int | None) -> int:

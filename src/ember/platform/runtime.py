@@ -122,7 +122,7 @@ def _pool_deployment(app: App) -> Any:
         # Preloading runs setup() of every preloaded deployment before the pool is ready.
         health_check_timeout_s=60,
     )(EmberPool)
-    return pool.bind(specs, preload)
+    return pool.bind(specs, preload, app.warm_pool_bytes, app.name)
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> None:

@@ -31,6 +31,8 @@ from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
+from ember.platform.control.pool import PoolAnswer
+
 #: What a fake replica runs for ``ember_call``: the call's arguments in, the result out.
 Handler = Callable[..., Awaitable[Any]]
 
@@ -52,12 +54,14 @@ class FakeHandle:
         refuse: raised for every call before any replica runs, as Ray's router raises
             ``BackPressureError`` when the queue is full.
         timeline: what ``ember_ping`` answers (a replica's start marks).
+        no_replica: calls wait, never assigned to a replica, as at zero replicas.
     """
 
     def __init__(self, handler: Handler | None = None, *, refuse: BaseException | None = None,
-                 timeline: dict[str, Any] | None = None) -> None:
+                 timeline: dict[str, Any] | None = None, no_replica: bool = False) -> None:
         self.handler = handler or _echo
         self.refuse = refuse
+        self.no_replica = no_replica
         self.timeline = timeline if timeline is not None else started_just_now()
         self.sent: list[Sent] = []
         #: Calls that reached the replica (not refused by the router).
@@ -78,14 +82,19 @@ class FakeHandle:
 
     def send(self, sent: Sent) -> FakeResponse:
         self.sent.append(sent)
-        response = FakeResponse(asyncio.get_running_loop().create_task(self._serve(sent)))
+        loop = asyncio.get_running_loop()
+        assigned: asyncio.Future[None] = loop.create_future()
+        response = FakeResponse(loop.create_task(self._serve(sent, assigned)), assigned)
         self.responses.append(response)
         return response
 
-    async def _serve(self, sent: Sent) -> Any:
+    async def _serve(self, sent: Sent, assigned: asyncio.Future[None]) -> Any:
         args = tuple([await a if isinstance(a, FakeResponse) else a for a in sent.args])
         if self.refuse is not None:
             raise self.refuse
+        if self.no_replica:
+            await asyncio.Event().wait()  # queued until cancelled: no replica ever comes
+        assigned.set_result(None)
         self.ran.append(Sent(sent.method, args))
         if sent.method == "ember_ping":
             return self.timeline
@@ -112,10 +121,14 @@ class _MethodHandle:
 
 
 class FakeResponse:
-    """A ``DeploymentResponse``: awaitable once sent, cancellable (a no-op once done)."""
+    """A ``DeploymentResponse``: awaitable once sent, cancellable (a no-op once done).
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    ``_replica_result_future`` is Serve's own name for "assigned to a replica" (done then).
+    """
+
+    def __init__(self, task: asyncio.Task[Any], assigned: asyncio.Future[None]) -> None:
         self.task = task
+        self._replica_result_future = assigned
         self.cancels = 0
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -149,13 +162,13 @@ def pool_of(*classes: type) -> Handler:
     """The warm pool's ``ember_call``: serves any of ``classes`` by name, with its timeline."""
     replicas = {cls.__name__: replica_of(cls) for cls in classes}
 
-    async def handler(name: str, attr: str, body: Any) -> tuple[Any, dict[str, Any]]:
+    async def handler(name: str, attr: str, body: Any) -> PoolAnswer:
         setup_started = time.time()
         value = await replicas[name](attr, body)
         # A prewarmed pool process that constructed the deployment for this request.
         timeline = {**started_just_now(), "prewarmed": True,
                     "init_started_at": setup_started, "setup_s": 0.118, "warmup_s": 0.021}
-        return value, timeline
+        return PoolAnswer(False, value, timeline)
 
     return handler
 

@@ -25,6 +25,7 @@ from ember.errors import (
     RequestTimeout,
     UserCodeError,
 )
+from ember.platform.control.pool import PoolAnswer
 from ember.platform.decorator import RouteSpec, get_spec
 from ember.platform.http._dispatch import Dispatcher, Outcome
 from ember.platform.http._metrics import Metrics
@@ -195,7 +196,9 @@ def test_cold_request_goes_to_the_pool_and_reports_path_pool() -> None:
     assert outcome.value == {"echo": "hello cold world"}
     assert [s.args for s in pool.sent] == [("Echo", "__call__", BODY)]
     assert echo.count("ember_call") == 0
-    assert echo.count("ember_ping") == 1  # woken, so its own replica starts meanwhile
+    # One ping wakes it, so its own replica starts meanwhile; one stands for the request's
+    # demand in its queue while the pool serves it.
+    assert echo.count("ember_ping") == 2
     assert outcome.cold is not None and outcome.cold.path == "pool"
     # The pool constructed Echo for this request: its setup and warmup are the only phases.
     assert outcome.cold.phases == {"queue": 0.0, "start": 0.0, "import": 0.0,
@@ -219,6 +222,49 @@ def test_cold_request_goes_to_the_deployment_when_the_pool_cannot_serve_it(
     assert own.count("ember_call") == 1
     assert outcome.cold is not None and outcome.cold.path == "replica"
     assert "path=replica" in outcome.cold.header()
+
+
+def test_past_the_pools_cap_a_request_is_held_for_the_own_replica() -> None:
+    async def busy(name: str, attr: str, body: Any) -> PoolAnswer:
+        return PoolAnswer(busy=True)
+
+    echo, pool = FakeHandle(replica_of(Echo)), FakeHandle(busy)
+    dispatcher = _dispatcher({"Echo": echo}, pool=pool, warm=False)
+    dispatcher.tracker.pool_running = 1
+    outcome = _run(dispatcher.call(_route(Echo), BODY, "req-cap"))
+    assert outcome.value == {"echo": "hello cold world"}
+    assert (pool.count("ember_call"), echo.count("ember_call")) == (1, 1)
+    assert outcome.cold is not None and outcome.cold.path == "replica"
+
+
+def test_a_deployment_whose_preload_failed_is_not_sent_to_the_pool() -> None:
+    echo, pool = FakeHandle(replica_of(Echo)), FakeHandle(pool_of(Echo))
+    dispatcher = _dispatcher({"Echo": echo}, pool=pool, warm=False)
+    dispatcher.tracker.pool_running = 1
+    dispatcher.tracker.update_pool_failures({"Echo": "warm pool preload failed: OSError: x"})
+    _run(dispatcher.call(_route(Echo), BODY, "req-failed-preload"))
+    assert (pool.sent, echo.count("ember_call")) == ([], 1)
+    assert dispatcher.tracker.loads["Echo"].as_dict()["pool_failure"].endswith("OSError: x")
+
+
+def test_a_request_waiting_for_a_replica_goes_to_the_pool_once_the_last_one_left() -> None:
+    # The edge counted a replica (a stale poll), so the request went to the deployment,
+    # where no replica will take it for seconds.
+    echo, pool = FakeHandle(no_replica=True), FakeHandle(pool_of(Echo))
+    dispatcher = _dispatcher({"Echo": echo}, pool=pool, warm=True)
+    dispatcher.tracker.pool_running = 1
+
+    async def scenario() -> Any:
+        call = asyncio.ensure_future(dispatcher.call(_route(Echo), BODY, "req-race"))
+        await asyncio.sleep(0.3)
+        assert not call.done() and pool.sent == []
+        dispatcher.tracker.loads["Echo"].running = 0  # the poll sees the replica gone
+        return await asyncio.wait_for(call, 5)
+
+    outcome = _run(scenario())
+    assert outcome.value == {"echo": "hello cold world"}
+    assert outcome.cold is not None and outcome.cold.path == "pool"
+    assert echo.count("ember_call") == 1 and echo.responses[0].cancels == 1
 
 
 def test_warm_request_has_no_cold_start_report() -> None:

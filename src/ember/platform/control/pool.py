@@ -7,17 +7,27 @@ deployment's class in its warm process (``setup()`` maps the weights from the no
 milliseconds, not the seconds of a process start and imports) and answers, while the
 deployment's own replica starts. Once that replica runs, traffic goes to it. Deployments
 marked ``preload=True`` are constructed when the pool starts, so even their first request
-runs no ``setup()``.
+runs no ``setup()``: for the caller that is a warm hit in a shared process, not a cold start.
 
-The pool holds at most ``max_models`` constructed deployments, least recently used out, so
-a forgotten pool does not keep every model of the app in memory.
+The pool is a bridge, not a second home:
+
+* **Bounded in memory.** Constructed deployments are kept while their model memory (the
+  bytes of their torch parameters and buffers) fits ``max_bytes``, least recently used out.
+* **Bounded in concurrency.** Each pool replica serves a deployment as one of its own
+  replicas would, up to the deployment's ``max_ongoing_requests``; past that it answers
+  "busy" at once and the edge holds the request for the deployment's own replica, where its
+  ``max_queue`` applies.
+* **A failing preload is that deployment's problem.** The pool starts anyway and publishes
+  the reason; the edge stops sending that deployment to the pool and its status says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
@@ -27,21 +37,88 @@ from ember.platform.decorator import DeploymentSpec
 logger = logging.getLogger("ember.pool")
 
 POOL_DEPLOYMENT = "ember-pool"
+#: Ray's key-value store namespace where pool replicas publish preloads that failed.
+_KV_NAMESPACE = "ember"
+
+
+@dataclass
+class PoolAnswer:
+    """What one pool call returns: the result, or ``busy`` when the pool is at its cap."""
+
+    busy: bool
+    value: Any = None
+    timeline: dict[str, Any] | None = None
+
+
+def model_bytes(impl: Any) -> int:
+    """Bytes of the torch tensors a constructed deployment holds (shared storage once).
+
+    Looks at the instance's attributes: modules (parameters and buffers) and bare tensors.
+    A deployment without torch state counts as 0 bytes and never pushes others out.
+    """
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor) -> None:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for value in vars(impl).values():
+        if isinstance(value, torch.nn.Module):
+            for tensor in [*value.parameters(), *value.buffers()]:
+                add(tensor)
+        elif isinstance(value, torch.Tensor):
+            add(value)
+    return total
+
+
+def failures_key(app_name: str) -> str:
+    return f"pool-failures:{app_name}"
+
+
+def read_failures(app_name: str) -> dict[str, str]:
+    """Deployments whose preload failed in the pool of ``app_name``, with the reason."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(failures_key(app_name), namespace=_KV_NAMESPACE)
+    return dict(json.loads(raw)) if raw else {}
+
+
+def _publish_failures(app_name: str, failures: dict[str, str]) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(failures_key(app_name), json.dumps(failures).encode(),
+                                 overwrite=True, namespace=_KV_NAMESPACE)
 
 
 class EmberPool:
     """Ray Serve deployment class of the warm pool (one per app)."""
 
     async def __init__(self, specs: list[DeploymentSpec], preload: list[str],  # type: ignore[misc]
-                       max_models: int = 4) -> None:
+                       max_bytes: int, app_name: str = "") -> None:
         bind_replica_grpc_to_node_ip()
         import torch  # noqa: F401  (the point of the pool: imports paid before any request)
 
         self._specs = {s.name: s for s in specs}
-        self._max_models = max(1, max_models)
+        self._caps = {s.name: s.options.with_env_overrides().ongoing_limit() for s in specs}
+        self._max_bytes = max_bytes
         self._cores: OrderedDict[str, asyncio.Task[ReplicaCore]] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+        self._ongoing: Counter[str] = Counter()
+        self._failed: dict[str, str] = {}
         for name in preload:
-            await self._core(name)
+            try:
+                await self._core(name)
+            except Exception as exc:  # one bad model must not keep the pool (and app) down
+                logger.exception("warm pool: preloading %s failed", name)
+                self._failed[name] = f"warm pool preload failed: {type(exc).__name__}: {exc}"
+        if app_name:
+            _publish_failures(app_name, self._failed)
 
     async def _core(self, name: str) -> ReplicaCore:
         """The constructed deployment, built once even under concurrent first requests."""
@@ -49,22 +126,39 @@ class EmberPool:
         if task is None:
             task = asyncio.ensure_future(instantiate(self._specs[name], prewarmed=True))
             self._cores[name] = task
-            while len(self._cores) > self._max_models:
-                evicted, _ = self._cores.popitem(last=False)
-                logger.info("warm pool: evicting %s", evicted)
         self._cores.move_to_end(name)
         try:
-            return await task
+            core = await task
         except BaseException:
             self._cores.pop(name, None)  # a failed setup is retried by the next request
             raise
+        if name not in self._bytes:
+            self._bytes[name] = model_bytes(core.impl)
+            self._evict(keep=name)
+        return core
 
-    async def ember_call(self, name: str, attr: str, body: Any) -> tuple[Any, dict[str, Any]]:
-        """Serve one request of deployment ``name``; returns the result and its timeline."""
+    def _evict(self, keep: str) -> None:
+        """Drop least recently used models until the rest fit ``max_bytes``."""
+        for name in list(self._cores):
+            if sum(self._bytes.get(n, 0) for n in self._cores) <= self._max_bytes:
+                return
+            if name != keep:
+                del self._cores[name]
+                logger.info("warm pool: evicting %s (%d bytes)", name, self._bytes.pop(name, 0))
+
+    async def ember_call(self, name: str, attr: str, body: Any) -> PoolAnswer:
+        """Serve one request of deployment ``name``, or answer busy at its cap."""
         if name not in self._specs:
             raise KeyError(f"the warm pool does not serve {name!r}")
-        core = await self._core(name)
-        return await core.call(attr, body), core.timeline.as_dict()
+        if name in self._failed or self._ongoing[name] >= self._caps[name]:
+            return PoolAnswer(busy=True)
+        self._ongoing[name] += 1
+        try:
+            core = await self._core(name)
+            return PoolAnswer(False, await core.call(attr, body), core.timeline.as_dict())
+        finally:
+            self._ongoing[name] -= 1
 
     async def ember_ping(self) -> dict[str, Any]:
-        return {"models": list(self._cores)}
+        return {"models": list(self._cores), "bytes": dict(self._bytes),
+                "failed": dict(self._failed)}

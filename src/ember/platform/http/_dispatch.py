@@ -33,7 +33,9 @@ from ember.errors import (
 from ember.platform.config import DeploymentOptions
 from ember.platform.control import coldstart
 from ember.platform.control.coldstart import ColdStartReport, ReplicaTimeline
+from ember.platform.control.pool import PoolAnswer
 from ember.platform.decorator import RouteSpec
+from ember.platform.http._router_view import assigned, running_replicas
 from ember.platform.http._state import LoadTracker
 
 logger = logging.getLogger("ember.ingress")
@@ -43,6 +45,8 @@ _WAKE_EVERY_S = 5.0
 _TIMELINE_TIMEOUT_S = 2.0
 #: How often a waiting request checks whether its deployment failed to start.
 _FAILED_START_POLL_S = 0.5
+#: ... and, when the warm pool could take it, whether it is still waiting for a replica.
+_REROUTE_POLL_S = 0.1
 #: Ray Serve deployment states in which no replica will come without a redeploy.
 _FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
 
@@ -58,6 +62,10 @@ def _grpc_transport() -> dict[str, Any]:
     so they would send by Ray actor call. Serve's own proxy sends over gRPC; so do the edges.
     """
     return {"_by_reference": False} if os.environ.get(_GRPC_ENV) == "1" else {}
+
+
+class _ToPool(Exception):  # a signal inside the dispatcher, never raised out of it
+    """A request still waits for a replica of a deployment the warm pool can now serve."""
 
 
 @dataclass
@@ -105,18 +113,32 @@ class Dispatcher:
         """
         arrived = time.time()
         chain = route.chain or ((route.deployment, route.attr),)
-        with self._tracking([name for name, _ in chain]) as cold:
-            if not route.chain and self._pool_can_serve(route.deployment):
-                return await self._via_pool(route, body, request_id, arrived)
+        cold = self.no_own_replica(route.deployment)
+        with self._tracking([name for name, _ in chain]):
+            pooled = await self._try_pool(route, body, request_id, arrived)
+            if pooled is not None:
+                return pooled
             self._refuse_unplaced([name for name, _ in chain])
             self._wake_cold(chain[1:])
-            result = await self._send_chain(route, chain, body, request_id)
+            try:
+                result = await self._send_chain(route, chain, body, request_id,
+                                                reroute=not route.chain)
+            except _ToPool:  # the last replica went while this request waited for one
+                pooled = await self._try_pool(route, body, request_id, arrived)
+                if pooled is not None:
+                    return pooled
+                cold = True
+                result = await self._send_chain(route, chain, body, request_id, reroute=False)
         report = await self._replica_report(route.deployment, arrived) if cold else None
         return Outcome(result, report)
 
     async def _send_chain(self, route: RouteSpec, chain: tuple[tuple[str, str], ...],
-                          body: Any, request_id: str) -> Any:
-        """Send through every stage; retry once if a replica died under a plain request."""
+                          body: Any, request_id: str, *, reroute: bool) -> Any:
+        """Send through every stage; retry once if a replica died under a plain request.
+
+        With ``reroute``, a request that still waits for a replica once the warm pool could
+        serve it is taken back (``_ToPool``), never left to wait for a fresh replica.
+        """
         retry = not route.chain and self._options[route.deployment].retry_on_replica_loss
         while True:
             responses: list[Any] = []
@@ -125,7 +147,7 @@ class Dispatcher:
                 value = self._calls[name].remote(attr, value)
                 responses.append(value)
             try:
-                return await self._await(responses, route, request_id)
+                return await self._await(responses, route, request_id, reroute=reroute)
             except DeploymentUnavailable as err:
                 if not (retry and err.fields.get("lost_replica")):
                     raise
@@ -133,21 +155,44 @@ class Dispatcher:
                 logger.warning("request %s: replica of %s lost; retrying once", request_id,
                                route.deployment)
 
+    def no_own_replica(self, name: str) -> bool:
+        """Whether ``name`` has no running replica, as its handle's router sees it now."""
+        live = running_replicas(self._calls[name])
+        return live == 0 if live is not None else self.tracker.loads[name].running == 0
+
     def _pool_can_serve(self, name: str) -> bool:
         return (self._pool is not None and name in self._pool_names
-                and self.tracker.loads[name].running == 0 and self.tracker.pool_running > 0)
+                and name not in self.tracker.pool_failures and self.tracker.pool_running > 0
+                and self.no_own_replica(name))
 
-    async def _via_pool(self, route: RouteSpec, body: Any, request_id: str,
-                        arrived: float) -> Outcome:
-        """Serve from the warm pool while the deployment's own replica starts."""
-        if self._pool is None:  # _pool_can_serve said yes, so this cannot happen
-            raise RuntimeError("warm pool is not configured")
-        self._wake_cold(((route.deployment, route.attr),))
-        response = self._pool.remote(route.deployment, route.attr, body)
-        value, timeline = await self._await([response], route, request_id)
-        report = coldstart.report(arrived, time.time(), ReplicaTimeline(**timeline), "pool")
-        self.tracker.record_cold(route.deployment, report)
-        return Outcome(value, report)
+    async def _try_pool(self, route: RouteSpec, body: Any, request_id: str,
+                        arrived: float) -> Outcome | None:
+        """Serve from the warm pool while the deployment's own replica starts.
+
+        Returns None when the pool cannot take the request (no pool for it, the deployment
+        has a replica, or the pool is at the deployment's concurrency cap): the request is
+        then held for the deployment's own replica like any other.
+        """
+        if self._pool is None or route.chain or not self._pool_can_serve(route.deployment):
+            return None
+        name = route.deployment
+        self._wake_cold(((name, route.attr),))
+        # What the pool serves is the deployment's demand too: a ping held in its queue for
+        # as long as the pool works on the request is counted by Serve's autoscaler.
+        demand = self._handles[name].options(method_name="ember_ping").remote()
+        try:
+            response = self._pool.remote(name, route.attr, body)
+            answer: PoolAnswer = await self._await([response], route, request_id,
+                                                   reroute=False)
+        finally:
+            if assigned(demand) is False:
+                demand.cancel()  # type: ignore[no-untyped-call]
+        if answer.busy:
+            return None
+        report = coldstart.report(arrived, time.time(), ReplicaTimeline(**answer.timeline or {}),
+                                  "pool")
+        self.tracker.record_cold(name, report)
+        return Outcome(answer.value, report)
 
     async def _replica_report(self, name: str, arrived: float) -> ColdStartReport:
         """Phases of a cold request served by the deployment's own (new) replica."""
@@ -184,30 +229,40 @@ class Dispatcher:
             finally:
                 generator.cancel()  # type: ignore[no-untyped-call]  # no-op once finished
 
-    async def _await(self, responses: list[Any], route: RouteSpec, request_id: str) -> Any:
+    async def _await(self, responses: list[Any], route: RouteSpec, request_id: str, *,
+                     reroute: bool = False) -> Any:
         timeout_s = self.timeout_for(route)
         names = [name for name, _ in route.chain] or [route.deployment]
+        watch = self._watch(responses[-1], names, route.deployment if reroute else None)
         try:
-            return await asyncio.wait_for(self._watch(responses[-1], names), timeout_s)
+            return await asyncio.wait_for(watch, timeout_s)
         except TimeoutError:
             for response in responses:  # every stage: nothing keeps computing for no one
                 response.cancel()
             raise RequestTimeout(deployment=route.deployment, timeout_s=timeout_s) from None
-        except DeploymentUnavailable:
+        except (DeploymentUnavailable, _ToPool):
             for response in responses:
                 response.cancel()
             raise
         except Exception as exc:
             raise self._map_error(exc, route.deployment, request_id) from None
 
-    async def _watch(self, response: Any, names: list[str]) -> Any:
-        """Await ``response``; give up with 503 if a deployment it waits for cannot start."""
+    async def _watch(self, response: Any, names: list[str], reroute: str | None) -> Any:
+        """Await ``response``; give up with 503 if a deployment it waits for cannot start.
+
+        With ``reroute`` (a deployment name), raise ``_ToPool`` if the request has not reached
+        a replica of it while the warm pool could serve it.
+        """
         task = asyncio.ensure_future(_resolve(response))
+        poll_s = _REROUTE_POLL_S if reroute in self._pool_names else _FAILED_START_POLL_S
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_FAILED_START_POLL_S)
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
                 if done:
                     return task.result()
+                if (reroute is not None and assigned(response) is False
+                        and self._pool_can_serve(reroute)):
+                    raise _ToPool
                 self._refuse_unplaced(names)
                 for name in names:
                     load = self.tracker.loads[name]
@@ -249,18 +304,19 @@ class Dispatcher:
         """
         now = time.monotonic()
         for name, _ in stages:
-            if self.tracker.loads[name].running > 0:
+            if not self.no_own_replica(name):
                 continue
             if now - self._woken_at.get(name, -_WAKE_EVERY_S) >= _WAKE_EVERY_S:
                 self._woken_at[name] = now
                 self._handles[name].options(method_name="ember_ping").remote()
 
     @contextmanager
-    def _tracking(self, names: list[str]) -> Iterator[bool]:
-        """Count the request in flight at every stage; yields whether the first was cold."""
+    def _tracking(self, names: list[str]) -> Iterator[None]:
+        """Count the request in flight at every stage."""
         with ExitStack() as stack:
-            flags = [stack.enter_context(self.tracker.track(n)) for n in dict.fromkeys(names)]
-            yield flags[0]
+            for name in dict.fromkeys(names):
+                stack.enter_context(self.tracker.track(name))
+            yield
 
 
 async def _resolve(response: Any) -> Any:

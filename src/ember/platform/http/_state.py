@@ -36,6 +36,8 @@ class DeploymentLoad:
     replica_states: dict[str, int] = field(default_factory=dict)
     #: Why a starting replica is not placed ("waiting for resources: ..."), when it is not.
     waiting_for: str | None = None
+    #: Why the warm pool does not serve this deployment, when its preload failed.
+    pool_failure: str | None = None
 
     @property
     def queued(self) -> int:
@@ -60,8 +62,10 @@ class DeploymentLoad:
                 {"at": self.last_cold_start_at, **self.last_cold_start.as_dict()}
                 if self.last_cold_start else None),
             "cold_start_budget_s": self.options.cold_start_budget_s,
-            "message": self.waiting_for or self.message,
+            "message": "; ".join(filter(None, [self.waiting_for, self.pool_failure,
+                                               self.message])),
             "waiting_for_resources": self.waiting_for,
+            "pool_failure": self.pool_failure,
         }
 
 
@@ -76,6 +80,8 @@ class LoadTracker:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
         self.pool_running = 0
+        #: Deployments whose preload failed in the warm pool, with the reason.
+        self.pool_failures: dict[str, str] = {}
         self.edges_running = 0
         #: Whether the app has a warm pool, whose replica must be up before it is ready.
         self.pool_expected = False
@@ -114,6 +120,11 @@ class LoadTracker:
             self.metrics.replicas.labels(deployment, state.lower()).set(states.get(state, 0))
         self.metrics.floor.labels(deployment).set(load.options.warm_floor)
         self._publish(load)
+
+    def update_pool_failures(self, failures: dict[str, str]) -> None:
+        self.pool_failures = failures
+        for load in self.loads.values():
+            load.pool_failure = failures.get(load.name)
 
     def unplaced(self) -> list[DeploymentLoad]:
         """Deployments with no running replica and one starting: those that may be unplaced."""

@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from ember import settings
 from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
 from ember.platform.config import DeploymentOptions, check_name
-from ember.platform.control import floors, placement
+from ember.platform.control import floors, placement, pool
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._asgi import (
     COLD_START_HEADER,
@@ -124,6 +124,9 @@ class IngressState:
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         await self._check_placement()
+        if self.tracker.pool_expected:
+            failures = await asyncio.to_thread(pool.read_failures, self.app_name)
+            self.tracker.update_pool_failures(failures)
         self.tracker.polled = True
         # Once a second is enough for a scrape; fast polls (0.25 s) need not publish each time.
         now = time.monotonic()

@@ -1,0 +1,108 @@
+"""The warm pool's bounds, run in this process: bytes of model memory, per-deployment caps,
+and a failing preload that stays that deployment's problem."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import ember
+from ember.errors import ConfigError
+from ember.platform.control.pool import EmberPool, PoolAnswer, model_bytes
+from ember.platform.decorator import get_spec
+
+T = TypeVar("T")
+MIB = 1 << 20
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def _model(name: str, mib: int) -> type:
+    @ember.deployment(name=name, max_ongoing_requests=2)
+    class Model:
+        def setup(self) -> None:
+            self.net = torch.nn.Linear(mib * MIB // 4, 1, bias=False)  # mib MiB of float32
+
+        async def __call__(self) -> str:
+            await asyncio.sleep(0.05)
+            return name
+
+    return Model
+
+
+@ember.deployment(name="Broken", preload=True)
+class Broken:
+    def setup(self) -> None:
+        raise OSError("weights not found")
+
+    def __call__(self) -> str:
+        return "never"
+
+
+A, B, C = _model("A", 4), _model("B", 4), _model("C", 4)
+
+
+async def _pool(*classes: type, preload: tuple[str, ...] = (), max_bytes: int) -> EmberPool:
+    pool = EmberPool.__new__(EmberPool)
+    await pool.__init__([get_spec(c) for c in classes], list(preload), max_bytes)  # type: ignore[misc]
+    return pool
+
+
+def test_model_bytes_counts_parameters_and_bare_tensors_once() -> None:
+    class Impl:
+        def __init__(self) -> None:
+            self.net = torch.nn.Linear(256, 4)       # 256*4*4 + 4*4 bytes
+            self.table = torch.zeros(100)             # 400 bytes
+            self.alias = self.net.weight              # shared storage, not counted twice
+            self.name = "not a tensor"
+
+    assert model_bytes(Impl()) == 256 * 4 * 4 + 4 * 4 + 400
+
+
+def test_least_recently_used_model_goes_when_the_bytes_are_full() -> None:
+    async def scenario() -> dict[str, Any]:
+        pool = await _pool(A, B, C, max_bytes=9 * MIB)  # room for two 4 MiB models
+        for name in ("A", "B", "A", "C"):  # B is the least recently used when C comes
+            answer = await pool.ember_call(name, "__call__", None)
+            assert answer == PoolAnswer(False, name, answer.timeline)
+        return await pool.ember_ping()
+
+    ping = _run(scenario())
+    assert ping["models"] == ["A", "C"]
+    assert ping["bytes"] == {"A": 4 * MIB, "C": 4 * MIB}
+
+
+def test_past_its_deployments_concurrency_the_pool_answers_busy() -> None:
+    async def scenario() -> list[bool]:
+        pool = await _pool(A, max_bytes=64 * MIB)
+        answers = await asyncio.gather(*(pool.ember_call("A", "__call__", None)
+                                         for _ in range(5)))
+        return [a.busy for a in answers]
+
+    # A takes max_ongoing_requests=2 at once, as one of its own replicas would.
+    assert sorted(_run(scenario())) == [False, False, True, True, True]
+
+
+def test_a_failing_preload_marks_only_its_deployment() -> None:
+    async def scenario() -> tuple[PoolAnswer, PoolAnswer, dict[str, Any]]:
+        pool = await _pool(Broken, A, preload=("Broken", "A"), max_bytes=64 * MIB)
+        broken = await pool.ember_call("Broken", "__call__", None)
+        fine = await pool.ember_call("A", "__call__", None)
+        return broken, fine, await pool.ember_ping()
+
+    broken, fine, ping = _run(scenario())
+    assert broken.busy and not fine.busy and fine.value == "A"
+    assert ping["failed"] == {
+        "Broken": "warm pool preload failed: OSError: weights not found"}
+    assert ping["models"] == ["A"]
+
+
+def test_negative_pool_bytes_are_refused() -> None:
+    with pytest.raises(ConfigError, match="warm_pool_bytes"):
+        ember.App([A], warm_pool_bytes=-1)
