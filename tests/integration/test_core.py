@@ -35,7 +35,7 @@ def test_echo_round_trip(url: str) -> None:
 def test_extra_route_with_get(url: str) -> None:
     reply = httpx.get(f"{url}/echo/info", timeout=30)
     assert reply.status_code == 200
-    assert reply.json() == {"deployment": "Echo"}
+    assert reply.json() == {"deployment": "Echo", "cuda_visible_devices": ""}
 
 
 def test_openapi_describes_bodies(url: str) -> None:

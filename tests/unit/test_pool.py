@@ -4,6 +4,7 @@ and a failing preload that stays that deployment's problem."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -17,6 +18,12 @@ from ember.platform.decorator import get_spec
 
 T = TypeVar("T")
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a GPU node; restored after each test (the pool empties it in this process).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -52,6 +59,11 @@ async def _pool(*classes: type, preload: tuple[str, ...] = (), max_bytes: int) -
     pool = EmberPool.__new__(EmberPool)
     await pool.__init__([get_spec(c) for c in classes], list(preload), max_bytes)  # type: ignore[misc]
     return pool
+
+
+def test_the_pool_process_sees_no_gpu() -> None:
+    _run(_pool(A, max_bytes=MIB))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_model_bytes_counts_parameters_and_bare_tensors_once() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -31,8 +32,10 @@ class Echo:
         return EchoOut(text=body.text * body.repeat, replica_calls=self.calls)
 
     @ember.route("/echo/info", method="GET")
-    def info(self) -> dict[str, str]:
-        return {"deployment": "Echo"}
+    def info(self) -> dict[str, str | None]:
+        # num_gpus=0: the replica must not see a GPU, whatever the node has.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return {"deployment": "Echo", "cuda_visible_devices": visible}
 
 
 class SleepIn(BaseModel):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
-from ember.platform.control.replica import ReplicaCore, instantiate
+from ember.platform.control.replica import ReplicaCore, hide_gpus_unless_asked, instantiate
 from ember.platform.decorator import DeploymentSpec
 
 logger = logging.getLogger("ember.pool")
@@ -102,6 +102,7 @@ class EmberPool:
     async def __init__(self, specs: list[DeploymentSpec], preload: list[str],  # type: ignore[misc]
                        max_bytes: int, app_name: str = "") -> None:
         bind_replica_grpc_to_node_ip()
+        hide_gpus_unless_asked(0)  # the pool reserves no GPU and serves CPU deployments only
         import torch  # noqa: F401  (the point of the pool: imports paid before any request)
 
         self._specs = {s.name: s for s in specs}

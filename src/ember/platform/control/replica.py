@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,6 +25,25 @@ from ember.platform.control.listeners import bind_replica_grpc_to_node_ip
 from ember.platform.decorator import DeploymentSpec
 
 _DONE = object()
+
+logger = logging.getLogger("ember.replica")
+
+
+def hide_gpus_unless_asked(num_gpus: float) -> None:
+    """Give a process that reserved no GPU an empty ``CUDA_VISIBLE_DEVICES``.
+
+    Ray stopped doing this itself (2.4x): a ``num_gpus=0`` replica on a GPU node would see
+    every GPU, and code that picks CUDA when available would run there, on memory another
+    replica reserved. Set before anything initializes CUDA in the process; torch reads the
+    variable then, not at import.
+    """
+    if num_gpus > 0:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        logger.warning("CUDA was initialized before the replica started; GPUs stay visible")
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
@@ -107,6 +129,7 @@ def replica_class(spec: DeploymentSpec) -> type:
     class EmberReplica:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
             bind_replica_grpc_to_node_ip()
+            hide_gpus_unless_asked(spec.options.num_gpus)
             self._core = await instantiate(spec)
 
         async def ember_call(self, attr: str, body: Any) -> Any:
