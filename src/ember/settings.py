@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="port `ember run` listens on")
     url: str | None = Field(None, description="where `ember status|warm|plan` look")
     warm_pool: int = Field(1, ge=0, description="warm pool replicas of an App (0 = off)")
+    warm_runtime: int = Field(
+        2, ge=0, description="idle pre-started workers, torch imported, on a local cluster"
+    )
     warm_pool_bytes: int = Field(
         2 << 30, ge=0, description="model memory one pool replica keeps constructed"
     )

@@ -113,3 +113,15 @@ def test_scale_up_is_immediate_even_during_quiet_window() -> None:
     dep = FakeDeployment(scaledown_after_s=30, replicas=2)
     dep.tick(total_requests=0)
     assert dep.tick(total_requests=12) == 6
+
+
+def test_a_replica_in_a_pre_started_worker_reports_no_start_or_import() -> None:
+    from ember.platform.control.coldstart import ReplicaTimeline, report
+
+    # The worker existed (torch imported) 60 s before the request; Serve made it the
+    # replica 0.4 s after the request arrived; setup took 0.1 s.
+    timeline = ReplicaTimeline(process_started_at=40.0, imported_at=41.0, init_started_at=100.4,
+                               setup_s=0.1, warmup_s=0.02)
+    phases = report(100.0, 100.9, timeline, "replica").phases
+    assert phases == pytest.approx({"queue": 0.4, "start": 0.0, "import": 0.0, "weights": 0.1,
+                                    "warmup": 0.02})

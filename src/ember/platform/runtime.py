@@ -21,6 +21,7 @@ from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
+from ember.platform.control import warm_runtime
 from ember.platform.control.replica import replica_class
 from ember.platform.http.auth import ApiKeys
 from ember.platform.http.edge import (
@@ -125,10 +126,30 @@ def _pool_deployment(app: App) -> Any:
     return pool.bind(specs, preload, app.warm_pool_bytes, app.name)
 
 
-def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> None:
-    """Join ``address`` (or ``RAY_ADDRESS``), else start a local cluster; idempotent."""
+#: Keeps the warm runtime's idle workers while this process's local cluster runs.
+_refiller: warm_runtime.Refiller | None = None
+
+
+def app_modules(app: App) -> list[str]:
+    """Modules that define ``app``'s deployments (what a warm-runtime worker preloads)."""
+    return sorted({spec.cls.__module__ for spec in app.specs})
+
+
+def start_ray(*, address: str | None = None, num_cpus: float | None = None,
+              preload: list[str] | None = None, warm: bool | None = None) -> bool:
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local cluster; idempotent.
+
+    Args:
+        preload: Modules every worker of a local cluster imports before it takes work
+            (the warm runtime); torch and Ember's replica code are always among them.
+        warm: Whether a local cluster's workers preload at all; None reads
+            ``EMBER_WARM_RUNTIME`` (off at 0).
+
+    Returns:
+        True if this call started a local cluster.
+    """
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     user_paths = _user_module_paths()
     if address is None and user_paths:
@@ -142,6 +163,7 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> N
             os.environ.setdefault(name, value)
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
+    warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
     ray.init(
         address=address,
         # A local cluster is reachable from this machine only (see control/listeners.py).
@@ -151,7 +173,9 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None) -> N
         runtime_env=runtime_env,
         logging_level=logging.WARNING,
         configure_logging=True,
+        _system_config=warm_runtime.system_config(preload or []) if warm else None,
     )
+    return address is None
 
 
 def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:
@@ -161,17 +185,25 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
         >>> url = serve_app(my_app)            # doctest: +SKIP
         >>> httpx.post(f"{url}/mlp", json=...)  # doctest: +SKIP
     """
-    start_ray()
+    global _refiller
+    started_here = start_ray(preload=app_modules(app))
     port = default_port() if port is None else port
     # Ember's edges take the place of Serve's HTTP proxy (see http/edge.py).
     serve.start(proxy_location="Disabled")
     serve.run(build_application(app, host=host, port=port), name=app.name, route_prefix=None,
               blocking=False)
+    if started_here and _refiller is None:
+        _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
+        _refiller.start()
     return f"http://{host}:{port}"
 
 
 def shutdown() -> None:
     """Tear down Serve and, if this process started it, the local Ray cluster."""
+    global _refiller
+    if _refiller is not None:
+        _refiller.stop()
+        _refiller = None
     try:
         serve.shutdown()  # type: ignore[no-untyped-call]
     finally:

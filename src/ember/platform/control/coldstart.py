@@ -100,6 +100,12 @@ def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | No
         warmup = timeline.warmup_s if ran_setup else 0.0
         return ColdStartReport(total, path, {"queue": 0.0, "start": 0.0, "import": 0.0,
                                              "weights": weights, "warmup": warmup})
+    if timeline.process_started_at < arrived_at:
+        # A pre-started worker (the warm runtime) became the replica: it had imported
+        # everything; Serve's scale-up and the actor's creation in it are the queue.
+        return ColdStartReport(total, path, {
+            "queue": max(0.0, timeline.init_started_at - arrived_at), "start": 0.0,
+            "import": 0.0, "weights": timeline.setup_s, "warmup": timeline.warmup_s})
     phases = {
         "queue": max(0.0, timeline.process_started_at - arrived_at),
         "start": max(0.0, timeline.imported_at - max(timeline.process_started_at, arrived_at)),

@@ -1,0 +1,130 @@
+"""The warm runtime: idle worker processes that already imported torch and the app's modules.
+
+A deployment's own replica from zero spends most of its cold start before ``setup()``: Ray
+starts a Python worker (about a second here) and unpickling the replica's class imports
+torch and the app (two to five seconds on a small machine). Neither depends on the request.
+So Ember keeps a few idle Ray workers that paid both already, and Ray's raylet hands one of
+them to the next replica it creates: the replica runs only ``setup()`` (weights mapped from
+the node's snapshot) and ``warmup()``.
+
+This is not the warm pool. A warm-runtime process answers for no deployment: it holds no
+model, and it becomes a replica only when Serve's controller starts one. A request that
+meets it is still a cold start, measured as one (``queue`` covers Serve's scale-up and the
+actor's creation; ``start`` and ``import`` are zero).
+
+Two Ray mechanisms, both set when Ember starts the local cluster:
+
+* ``preload_python_modules`` (a raylet setting): every Python worker the raylet starts
+  imports these modules before it accepts work. Every worker pays it, the edges and Serve's
+  controller included: measured here at about 370 MB of memory per process instead of 80.
+* The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
+  ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
+  environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
+  A worker that became a replica is gone from the idle set, so :class:`Refiller` starts one
+  more for every replica it sees appear.
+
+Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
+it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
+joins (``RAY_ADDRESS``), set ``preload_python_modules`` where ``ray start`` runs
+(``--system-config``); Ember does not prestart workers there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger("ember.warm_runtime")
+
+#: Idle pre-started workers are kept this long (then Ray's idle-worker rules apply again).
+KEEP_ALIVE_S = 24 * 3600
+_REFILL_EVERY_S = 1.0
+
+
+def preload_modules(modules: Iterable[str]) -> list[str]:
+    """Modules a warm-runtime worker imports: torch, Ember's replica code, the app's."""
+    wanted = ["torch", "ember.platform.control.replica", *modules]
+    return [m for m in dict.fromkeys(wanted) if m and m != "__main__"]
+
+
+def system_config(modules: Iterable[str]) -> dict[str, Any]:
+    """The raylet settings of a local cluster whose workers preload ``modules``."""
+    return {"preload_python_modules": preload_modules(modules)}
+
+
+def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
+    """Ask this node's raylet to start ``count`` idle Python workers of this job now.
+
+    Must run in the process that started the local cluster (it knows the raylet's port).
+
+    Raises:
+        Exception: whatever Ray raises when its internals differ from 2.60's.
+    """
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.core.generated import runtime_environment_pb2 as runtime_env_pb2
+
+    worker: Any = ray._private.worker.global_worker
+    channel = init_grpc_channel(f"{worker.node.node_ip_address}:{worker.node.node_manager_port}")
+    try:
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.PYTHON,
+            job_id=worker.current_job_id.binary(),
+            # Replicas of an embedded Ember app have no runtime environment: "{}".
+            runtime_env_info=runtime_env_pb2.RuntimeEnvInfo(serialized_runtime_env="{}"),
+            keep_alive_duration_secs=keep_alive_s,
+            num_workers=count,
+        )
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    finally:
+        channel.close()
+
+
+def replica_ids() -> set[str]:
+    """Every Serve replica in the cluster now (any app, any state)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        return set()
+    ids: set[str] = set()
+    for app in (client.get_serve_details().get("applications") or {}).values():
+        for deployment in (app.get("deployments") or {}).values():
+            ids.update(str(r.get("replica_id")) for r in deployment.get("replicas") or [])
+    return ids
+
+
+class Refiller:
+    """Keeps about ``idle`` pre-started workers on the node: one more per new replica.
+
+    Runs in the process that started the local cluster, in a daemon thread.
+    """
+
+    def __init__(self, idle: int) -> None:
+        self.idle = idle
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ember-warm-runtime")
+
+    def start(self) -> None:
+        if self.idle > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            self._seen = replica_ids()
+            prestart(self.idle)
+            while not self._stop.wait(_REFILL_EVERY_S):
+                now = replica_ids()
+                new = len(now - self._seen)
+                self._seen = now
+                if new:
+                    prestart(min(new, self.idle))
+        except Exception:  # the fresh-process path still works; say so once
+            logger.warning("warm runtime off: prestarting Ray workers failed", exc_info=True)
