@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from support import free_port, wait_for, wait_for_scale_down
+from support import every_edge_sees, free_port, wait_for, wait_for_scale_down
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBER = Path(sys.executable).with_name("ember")
@@ -89,3 +89,51 @@ def _session_members(session_id: int) -> list[psutil.Process]:
             if os.getsid(process.pid) == session_id and process.status() != psutil.STATUS_ZOMBIE:
                 members.append(process)
     return members
+
+
+def _warm_idle_workers(session_id: int) -> list[psutil.Process]:
+    """Idle Ray workers of the command's session that have torch loaded (the warm runtime)."""
+    idle = []
+    for process in _session_members(session_id):
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.name() == "ray::IDLE" and "libtorch" in Path(
+                    f"/proc/{process.pid}/maps").read_text():
+                idle.append(process)
+    return idle
+
+
+def _phases(reply: httpx.Response) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in reply.headers["x-ember-cold-start"].split(";"))
+
+
+@pytest.mark.slow
+def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
+           "EMBER_WARM_POOL": "0", "EMBER_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("EMBER_WARM_RUNTIME", None)
+    log = (tmp_path / "run.log").open("w+")
+    proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    body = {"inputs": [[0.5] * 256]}
+    try:
+        wait_for(lambda: "Press Ctrl-C" in Path(log.name).read_text(), 180, what="startup")
+        for trial in range(2):  # the second proves a used worker was replaced
+            wait_for(lambda: _warm_idle_workers(proc.pid), 60, what="a pre-started worker")
+            wait_for(lambda: every_edge_sees(url, "SeedMLP", 0), 90, what="SeedMLP at zero")
+            reply = httpx.post(f"{url}/mlp", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            phases = _phases(reply)
+            # Its own replica (no pool), in a process that had imported everything before.
+            assert (phases["path"], phases["start"], phases["import"]) == (
+                "replica", "0", "0"), (trial, phases)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
