@@ -6,17 +6,19 @@ variants are subclasses that copy the shipped ``@ember.deployment`` options and 
 what their row names, plus ``num_cpus=0.5`` and ``scaledown_after_s=2`` (so that a 2-core
 node holds them and they return to zero between trials):
 
-* (a) ``Ember pool+preload``: the flagship as shipped: warm pool of 1, ``preload=True``.
-* (b) ``Ember pool, lazy``: warm pool of 1, ``preload=False``: the pool constructs the
-  model on the first request (redeployed before every trial, so each is a first request).
-* (c) ``Ember no pool``: ``warm_pool=0``: the deployment's own replica starts in a fresh
-  process (Ember's queue-depth policy path).
-* (d) ``Ray Serve default``: the same class behind a plain FastAPI ``@serve.ingress``
-  deployment from zero, Ray's default up-path timers (``POST /plain/embed``).
-* (e) ``Ray Serve shrunk``: (d) with every timer at its fastest (``POST /shrunk/embed``).
-
-The fourth path of the design, "own replica, warm runtime" (a pre-started process becoming
-the replica), has no implementation in ``src/`` yet, so no variant measures it.
+* (a) ``pool+preload (warm hit)``: the flagship as shipped: warm pool of 1,
+  ``preload=True``. The request finds a process that already built the model: a warm hit in
+  a shared process, not a cold start; reported beside the real paths.
+* (b) ``pool, on demand``: warm pool of 1, ``preload=False``: the pool constructs the model
+  on the first request (redeployed before every trial, so each is a first request).
+* (c) ``own replica, warm runtime``: ``warm_pool=0``: the deployment's own replica starts in
+  a pre-started worker that already imported torch and the app (``control/warm_runtime.py``).
+* (d) ``own replica, fresh process``: as (c), but the replica gets a runtime environment of
+  its own, so Ray starts a fresh worker for it, as on plain Ray Serve.
+* (e) ``Ray Serve default``: the same class behind a plain FastAPI ``@serve.ingress``
+  deployment from zero, Ray's default up-path timers (``POST /plain/embed``), in a fresh
+  worker (the runtime environment of (d)).
+* (f) ``Ray Serve shrunk``: (e) with every timer at its fastest (``POST /shrunk/embed``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class EmberVariant:
     warm_pool: int
     preload: bool
     redeploy_each_trial: bool = False
+    fresh_process: bool = False
 
     def build(self) -> ember.App:
         cls = ember_variant(self.deployment, preload=self.preload)
@@ -113,16 +116,19 @@ class PlainVariant:
     shrunk: bool
 
 
-POOL_PRELOAD = EmberVariant("Ember pool+preload", "a", "cs-pool-preload", "MiniLMPreload",
-                            1, True)
-POOL_LAZY = EmberVariant("Ember pool, lazy", "b", "cs-pool-lazy", "MiniLMLazy", 1, False,
+POOL_PRELOAD = EmberVariant("pool+preload (warm hit)", "a", "cs-pool-preload",
+                            "MiniLMPreload", 1, True)
+POOL_LAZY = EmberVariant("pool, on demand", "b", "cs-pool-lazy", "MiniLMLazy", 1, False,
                          redeploy_each_trial=True)
-NO_POOL = EmberVariant("Ember no pool", "c", "cs-no-pool", "MiniLMNoPool", 0, True)
-PLAIN_DEFAULT = PlainVariant("Ray Serve default", "d", "cs-plain", "PlainDefault", "/plain",
+WARM_RUNTIME = EmberVariant("own replica, warm runtime", "c", "cs-warm-runtime",
+                            "MiniLMWarmRuntime", 0, True)
+FRESH_PROCESS = EmberVariant("own replica, fresh process", "d", "cs-fresh", "MiniLMFresh", 0,
+                             True, fresh_process=True)
+PLAIN_DEFAULT = PlainVariant("Ray Serve default", "e", "cs-plain", "PlainDefault", "/plain",
                              False)
-PLAIN_SHRUNK = PlainVariant("Ray Serve shrunk", "e", "cs-shrunk", "PlainShrunk", "/shrunk",
+PLAIN_SHRUNK = PlainVariant("Ray Serve shrunk", "f", "cs-shrunk", "PlainShrunk", "/shrunk",
                             True)
-EMBER_VARIANTS = (POOL_PRELOAD, POOL_LAZY, NO_POOL)
+EMBER_VARIANTS = (POOL_PRELOAD, POOL_LAZY, WARM_RUNTIME, FRESH_PROCESS)
 PLAIN_VARIANTS = (PLAIN_DEFAULT, PLAIN_SHRUNK)
 LABELS = {v.key: v.label for v in (*EMBER_VARIANTS, *PLAIN_VARIANTS)}
 
@@ -150,11 +156,12 @@ class PlainMiniLM:
 
 def start(port: int, plain: tuple[PlainVariant, ...] = PLAIN_VARIANTS) -> str:
     """Ray, Serve on ``port`` and the ``plain`` peers (idle at zero); the base URL."""
-    base_url = _serving.start_serve(port)
+    base_url = _serving.start_serve(port, preload=(__name__,))
     for v in plain:
         bound = PlainMiniLM.options(  # type: ignore[attr-defined]  # a Serve Deployment
             name=v.deployment, autoscaling_config=_serving.plain_autoscaling(v.shrunk),
-            ray_actor_options={"num_cpus": _serving.REPLICA_CPUS})
+            ray_actor_options={"num_cpus": _serving.REPLICA_CPUS,
+                               "runtime_env": _serving.FRESH_PROCESS_ENV})
         _serving.deploy_plain(bound.bind(), v.app, v.prefix)
     return base_url
 

@@ -12,13 +12,14 @@ driver sets before Ray starts so that every local worker inherits it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,22 +84,67 @@ def plain_autoscaling(shrunk: bool) -> dict[str, Any]:
 _PORTS: dict[str, int] = {}
 
 
-def start_serve(port: int) -> str:
+#: Runtime environment of replicas that must start in a fresh process, as on plain Ray: Ray
+#: gives a new actor a pre-started idle worker only if their runtime environments match, and
+#: the warm runtime's workers have none.
+FRESH_PROCESS_ENV = {"env_vars": {"EMBER_BENCH_FRESH_PROCESS": "1"}}
+_REFILLERS: list[Any] = []
+
+
+def start_serve(port: int, preload: tuple[str, ...] = ()) -> str:
     """Start Ray through Ember and Serve; Ember's base URL, ``127.0.0.1:port``.
 
     Ember's edges listen on ``port``; Serve's HTTP proxy, which only the plain Ray Serve
-    peers use, listens on a port of its own (:func:`plain_url`).
+    peers use, listens on a port of its own (:func:`plain_url`). The local cluster's workers
+    preload torch and ``preload``, and idle ones are kept for new replicas (the warm runtime,
+    as ``ember run`` has it).
     """
     from ray import serve
     from ray.serve.config import HTTPOptions
 
+    from ember import settings
+    from ember.platform.control import warm_runtime
     from ember.platform.runtime import start_ray
 
-    start_ray()
+    start_ray(preload=list(preload))
     _PORTS.update(ember=port, plain=free_port())
     serve.start(http_options=HTTPOptions(host=HOST, port=_PORTS["plain"]),
                 proxy_location="HeadOnly", logging_config=LOGGING)
+    refiller = warm_runtime.Refiller(settings.load().warm_runtime)
+    refiller.start()
+    _REFILLERS.append(refiller)
     return f"http://{HOST}:{port}"
+
+
+@contextlib.contextmanager
+def fresh_process_replicas() -> Iterator[None]:
+    """Ember deployments deployed inside start their replicas in fresh processes."""
+    from ember.platform import runtime
+
+    original = runtime.to_ray_options
+
+    def fresh(options: Any, *, name: str) -> dict[str, Any]:
+        ray_options = original(options, name=name)
+        ray_options["ray_actor_options"] = {**ray_options["ray_actor_options"],
+                                            "runtime_env": FRESH_PROCESS_ENV}
+        return ray_options
+
+    runtime.to_ray_options = fresh  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        runtime.to_ray_options = original  # type: ignore[assignment]
+
+
+def idle_worker_rss_mb() -> list[float]:
+    """Resident memory of each idle pre-started worker (torch loaded) on this machine, MB."""
+    sizes = []
+    for process in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.info["name"] == "ray::IDLE" and "libtorch" in Path(
+                    f"/proc/{process.pid}/maps").read_text():
+                sizes.append(round(process.memory_info().rss / 2**20, 1))
+    return sorted(sizes)
 
 
 def plain_url() -> str:

@@ -116,7 +116,7 @@ def run(args: Any, deadline: h.Deadline, results: dict[str, Burst], errors: list
     m.prepare_weights()
     base_url = m.start(args.port or h.free_port(), plain=(m.PLAIN_SHRUNK,))
     print(f"serving at {base_url}", flush=True)
-    for v in (m.POOL_PRELOAD, m.NO_POOL):
+    for v in (m.POOL_PRELOAD, m.WARM_RUNTIME):
         h.section(v.label, errors,
                   functools.partial(run_ember, v, base_url, args, deadline, results))
     h.section("plain Ray Serve", errors, lambda: run_plain(base_url, args, deadline, results))

@@ -1,11 +1,13 @@
-"""Cold start of the MiniLM embeddings flagship: Ember three ways vs plain Ray Serve, one run.
+"""Cold start of the MiniLM flagship: Ember's four paths vs plain Ray Serve, in one run.
 
-Variants (a)-(e) are described in ``bench/_minilm_apps.py``: Ember with the warm pool and
-``preload=True`` (the flagship as shipped), the pool constructing the model on demand, no
-pool (the deployment's own replica starts), and plain Ray Serve from zero with default and
-with shrunk autoscaling timers. The Ember variants are served by Ember's edges one at a time;
-(d) and (e) stay deployed behind Serve's proxy at ``/plain`` and ``/shrunk``, idle at zero,
-and are measured last, interleaved by round, with no Ember app deployed.
+Variants (a)-(f) are described in ``bench/_minilm_apps.py``: (a) the pool with the model
+preloaded (a warm hit in a shared process, reported beside the real paths), (b) the pool
+constructing the model on demand, (c) the deployment's own replica in a pre-started worker
+(the warm runtime), (d) its own replica in a fresh process, and plain Ray Serve from zero
+with (e) default and (f) shrunk autoscaling timers. The Ember variants are served by Ember's
+edges one at a time; (e) and (f) stay deployed behind Serve's proxy at ``/plain`` and
+``/shrunk``, idle at zero, and are measured last, interleaved by round, with no Ember app
+deployed.
 
 Cold start: once the measured deployment has no replica in any state (``serve.status()``)
 and, for Ember, its ingress also sees none (``GET /-/status``), wait a second and time one
@@ -21,6 +23,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import asdict, dataclass, field
@@ -49,6 +52,7 @@ class Results:
     cold: dict[str, list[Sample]] = field(default_factory=dict)
     vectors: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    idle_rss_mb: list[float] = field(default_factory=list)
 
 
 def ember_trial(v: m.EmberVariant, base_url: str, deadline: h.Deadline, res: Results) -> None:
@@ -68,8 +72,10 @@ def run_ember(v: m.EmberVariant, base_url: str, trials: int, deadline: h.Deadlin
     """All trials of one Ember variant, deployed alone at ``/``."""
     print(f"Ember ({v.key}) {v.label}: deploying {v.app}", flush=True)
     app = v.build()
+    fresh = _serving.fresh_process_replicas() if v.fresh_process else contextlib.nullcontext()
     try:
-        _serving.deploy_ember(app, deadline)
+        with fresh:
+            _serving.deploy_ember(app, deadline)
         for trial in range(trials):
             if v.redeploy_each_trial and trial:
                 serve.delete(app.name)
@@ -100,7 +106,7 @@ def cold_median(res: Results, key: str) -> float | None:
 
 def summary(res: Results) -> list[dict[str, Any]]:
     """One row per variant: median cold start and the peers' ratios to it."""
-    d, e = cold_median(res, "d"), cold_median(res, "e")
+    d, e = cold_median(res, "e"), cold_median(res, "f")
     rows = []
     for key, label in m.LABELS.items():
         value = cold_median(res, key)
@@ -115,8 +121,9 @@ def phase_table(res: Results) -> dict[str, dict[str, float | None]]:
     """Median seconds per phase: Ember's header phases, plain replicas' marks."""
     table: dict[str, dict[str, float | None]] = {}
     for key, samples in res.cold.items():
-        names = (*PHASES, "total") if key in "abc" else _serving.MARK_KEYS
-        source = [s.phases_s if key in "abc" else s.marks_s for s in samples]
+        ember_key = key in {v.key for v in m.EMBER_VARIANTS}
+        names = (*PHASES, "total") if ember_key else _serving.MARK_KEYS
+        source = [s.phases_s if ember_key else s.marks_s for s in samples]
         table[key] = {n: h.median_or_none([p.get(n) for p in source]) for n in names}
         table[key]["client"] = cold_median(res, key)
     return table
@@ -124,7 +131,7 @@ def phase_table(res: Results) -> dict[str, dict[str, float | None]]:
 
 def print_report(rows: list[dict[str, Any]], phases: dict[str, dict[str, float | None]],
                  res: Results) -> None:
-    d_row, e_row = rows[3], rows[4]
+    d_row, e_row = (next(r for r in rows if r["key"] == k) for k in ("e", "f"))
     lines = [["variant", "cold start median [s]", "Ray default / it", "Ray shrunk / it"]]
     for r in rows:
         value = r["cold_start_median_s"]
@@ -168,6 +175,8 @@ def run(args: Any, deadline: h.Deadline, res: Results) -> None:
     for v in m.EMBER_VARIANTS:
         h.section(f"({v.key}) {v.label}", res.errors,
                   functools.partial(run_ember, v, base_url, args.trials, deadline, res))
+    res.idle_rss_mb = _serving.idle_worker_rss_mb()
+    print(f"idle pre-started workers, RSS [MB]: {res.idle_rss_mb}", flush=True)
     h.section("plain Ray Serve", res.errors,
               lambda: run_plain(base_url, args.trials, deadline, res))
 
@@ -195,7 +204,8 @@ def main() -> int:
         "model": "all-MiniLM-L6-v2 (ember.deployments.embeddings.MiniLM)",
         "complete": not res.errors, "errors": res.errors, "summary": rows,
         "phases_median_s": phases, "same_model_max_abs_diff_vs_a": diffs,
-        "not_measured": "own replica in a warm runtime: no implementation in src/ yet",
+        "warm_hit": "(a) is served by a process that already built the model: a warm hit",
+        "idle_warm_worker_rss_mb": res.idle_rss_mb,
         "config": {"trials": args.trials, "scaledown_s": _serving.SCALEDOWN_S,
                    "replica_num_cpus": _serving.REPLICA_CPUS, "quiet_s": m.QUIET_S,
                    "ember_variants": [asdict(v) for v in m.EMBER_VARIANTS],
