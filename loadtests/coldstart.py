@@ -9,6 +9,10 @@ ends when every user is done (or after ``--run-time``).
 Budgets: max latency of the cold requests (by default the ``cold_start_budget_s`` the
 deployment declares, shown in ``/-/status``), p95 of the warm ones, failures, and Ember
 itself counting at least one cold start (proof that the burst really hit zero replicas).
+With ``--expect-path replica-warm-runtime`` (a server without the warm pool), every cold
+request must also say, in ``X-Ember-Cold-Start``, that the deployment's own replica served it
+from a pre-started worker (``path=replica;...;start=0;import=0``); ``--expect-path pool``
+asks for the pool.
 
     locust -f loadtests/coldstart.py --headless -H http://127.0.0.1:8000 -u 8 \\
         --budget-cold-max-ms 30000
@@ -41,6 +45,7 @@ class ColdState:
     cold_starts_before: int | None = None
     declared_cold_budget_s: float | None = None
     users_done: int = 0
+    cold_paths: list[str] | None = None
 
 
 STATE = ColdState()
@@ -69,6 +74,19 @@ def _add_options(parser: Any) -> None:
                        help="p95 latency of the warm requests (default 2000)")
     group.add_argument("--budget-failures", type=int, default=0,
                        help="failed requests allowed (default 0)")
+    group.add_argument("--expect-path", choices=("any", "pool", "replica-warm-runtime"),
+                       default="any", help="how every cold request must have been served")
+
+
+def cold_path(header: str | None) -> str:
+    """``pool``, ``replica-warm-runtime``, ``replica-fresh-process`` or ``none``."""
+    if not header:
+        return "none"
+    fields = dict(part.split("=", 1) for part in header.split(";") if "=" in part)
+    if fields.get("path") != "replica":
+        return fields.get("path", "none")
+    warm = fields.get("start") == "0" and fields.get("import") == "0"
+    return "replica-warm-runtime" if warm else "replica-fresh-process"
 
 
 @events.init.add_listener
@@ -126,6 +144,9 @@ class ColdUser(FastHttpUser):
         name = cold_name if self.sent == 0 else warm_name
         with self.client.post(options.path, json=sent, name=name, catch_response=True) as resp:
             check_embeddings(resp, sent)
+            if self.sent == 0:
+                STATE.cold_paths = [*(STATE.cold_paths or []),
+                                    cold_path(resp.headers.get("x-ember-cold-start"))]
         self.sent += 1
         if self.sent > options.warm_requests:
             STATE.users_done += 1
@@ -168,6 +189,12 @@ def _check_budgets(environment: Any, **_: Any) -> None:
         cold_budget(options, cold.max_response_time if cold else None),
         Budget("failures", environment.stats.total.num_failures, options.budget_failures),
     ]
+    if options.expect_path != "any":
+        paths = STATE.cold_paths or []
+        served = sum(1 for p in paths if p == options.expect_path)
+        budgets.append(Budget(f"cold requests served by {options.expect_path}", served,
+                              options.num_users, at_least=True,
+                              detail=f"{served} of {len(paths)}: {sorted(set(paths))}"))
     if options.warm_requests > 0:
         budgets.append(Budget("warm p95 latency",
                               warm.get_response_time_percentile(0.95) if warm else None,

@@ -5,11 +5,13 @@
 
 Starts ``ember run`` on a free 127.0.0.1 port with ``EMBER_SCALEDOWN_AFTER_S`` short (so
 the coldstart scenario does not wait minutes for zero replicas), runs ``coldstart`` and
-``steady`` against ``--app``, then ``overload`` against ``--overload-app``, ``chaos``
-(replicas SIGKILLed under load) and ``edge-chaos`` (edges SIGKILLed under load) against
-``--chaos-app`` (a server per app, shared by scenarios that name the same one), each as a
-headless locust subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it
-writes ``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
+``steady`` against ``--app``, ``coldstart-own`` against ``--app`` served without the warm
+pool (the deployment's own replica, from the warm runtime, with a budget), then
+``overload`` against ``--overload-app``, ``chaos`` (replicas SIGKILLed under load) and
+``edge-chaos`` (edges SIGKILLed under load) against ``--chaos-app`` (a server per app and
+environment, shared by scenarios that name the same), each as a headless locust
+subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it writes
+``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
 HTML reports, and exits 1 if any scenario missed a budget. ``--short`` is the CI version:
 few users, about 15 s of load per scenario (30 s for the chaos ones, which need time for two
 kills and their recoveries).
@@ -50,14 +52,25 @@ class Scenario:
     args: tuple[str, ...]
     timeout_s: float  # a hard stop for the locust process, beyond its own bounds
     locustfile: str = ""  # loadtests/<this>.py; the scenario's name when empty
+    server_env: tuple[tuple[str, str], ...] = ()  # the server's environment, added
+
+
+#: The own-replica cold start: no warm pool, so the deployment's own replica serves the burst,
+#: from a pre-started worker (the warm runtime). Its budget sits under the fresh-process
+#: figure in README (about 5 s for the flagship on 2 cores).
+NO_POOL = (("EMBER_WARM_POOL", "0"),)
+OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-ms", "4000")
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """The five scenarios; ``short`` keeps CI to a few users and seconds each."""
+    """The six scenarios; ``short`` keeps CI to a few users and seconds each."""
     if short:
         return [
             Scenario("coldstart", "app", ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
                                           "--zero-wait-s", "60"), 240),
+            Scenario("coldstart-own", "app", ("-u", "4", "--run-time", "90s",
+                                              "--warm-requests", "2", "--zero-wait-s", "60",
+                                              *OWN_REPLICA_ARGS), 240, "coldstart", NO_POOL),
             Scenario("steady", "app", ("-u", "4", "-r", "2", "--run-time", "15s"), 240),
             Scenario("overload", "overload_app", ("-u", "12", "-r", "12", "--run-time", "15s"),
                      240),
@@ -72,6 +85,8 @@ def scenarios(short: bool) -> list[Scenario]:
     return [
         Scenario("coldstart", "app", ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
                  600),
+        Scenario("coldstart-own", "app", ("-u", "8", "--run-time", "180s", "--warm-requests",
+                                          "5", *OWN_REPLICA_ARGS), 600, "coldstart", NO_POOL),
         Scenario("steady", "app", ("-u", "8", "-r", "1", "--run-time", "60s"), 400),
         Scenario("overload", "overload_app", ("-u", "24", "-r", "24", "--run-time", "30s"), 400),
         Scenario("chaos", "chaos_app", ("-u", "12", "-r", "4", "--run-time", "90s",
@@ -95,8 +110,10 @@ class ServerError(RuntimeError):
 class Server:
     """``ember run TARGET`` as a child process (in its own session), stopped by its PID."""
 
-    def __init__(self, target: str, log_path: Path, scaledown_s: float) -> None:
+    def __init__(self, target: str, log_path: Path, scaledown_s: float,
+                 env: tuple[tuple[str, str], ...] = ()) -> None:
         self.target, self.log_path, self.scaledown_s = target, log_path, scaledown_s
+        self.env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -104,7 +121,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "EMBER_SCALEDOWN_AFTER_S": str(self.scaledown_s),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **self.env}
         cmd = [sys.executable, "-m", "ember.cli", "run", self.target,
                "--host", "127.0.0.1", "--port", str(port)]
         with self.log_path.open("wb") as log:
@@ -239,8 +256,10 @@ def serve_and_run(target: str, group: list[Scenario], args: argparse.Namespace,
                   samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One server for ``group``; always stopped, whatever happens to the scenarios."""
     out = args.out
-    label = target.replace("/", "_").replace(":", "_")
-    server = Server(target, out / f"server-{label}.log", args.scaledown_s)
+    env = group[0].server_env
+    label = "_".join([target.replace("/", "_").replace(":", "_"),
+                      *(f"{k}-{v}" for k, v in env)])
+    server = Server(target, out / f"server-{label}.log", args.scaledown_s, env)
     recorder: StatusRecorder | None = None
     try:
         url = server.start(args.startup_timeout_s)
@@ -295,12 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plan = scenarios(args.short)
     clear_previous(args.out, [s.name for s in plan])
-    groups: dict[str, list[Scenario]] = {}
+    groups: dict[tuple[str, tuple[tuple[str, str], ...]], list[Scenario]] = {}
     for scenario in plan:  # dicts keep order: --app's scenarios first
-        groups.setdefault(getattr(args, scenario.target), []).append(scenario)
+        key = (getattr(args, scenario.target), scenario.server_env)
+        groups.setdefault(key, []).append(scenario)
     samples: list[dict[str, Any]] = []
     started = time.monotonic()
-    runs = [run for target, group in groups.items()
+    runs = [run for (target, _), group in groups.items()
             for run in serve_and_run(target, group, args, samples)]
     write_samples(args.out / "replicas.csv", samples)
     title = "Ember load tests" + (" (short)" if args.short else "")

@@ -21,17 +21,17 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("coldstart", "steady", "overload", "chaos", "edge-chaos")
+SCENARIOS = ("coldstart", "coldstart-own", "steady", "overload", "chaos", "edge-chaos")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(840)
 def test_short_run_passes_and_writes_the_report(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("RAY_ADDRESS", None)  # a local run: never join someone else's cluster
     out = tmp_path / "reports"
     done = subprocess.run([sys.executable, "loadtests/run.py", "--short", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=780)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     index = (out / "index.html").read_text()
     assert index.count("<svg") == 3 * len(SCENARIOS)

@@ -19,9 +19,9 @@ from ray import serve
 from ember import settings
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
+from ember.platform.control import warm_runtime
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
-from ember.platform.control import warm_runtime
 from ember.platform.control.replica import replica_class
 from ember.platform.http.auth import ApiKeys
 from ember.platform.http.edge import (

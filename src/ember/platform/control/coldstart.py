@@ -100,9 +100,10 @@ def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | No
         warmup = timeline.warmup_s if ran_setup else 0.0
         return ColdStartReport(total, path, {"queue": 0.0, "start": 0.0, "import": 0.0,
                                              "weights": weights, "warmup": warmup})
-    if timeline.process_started_at < arrived_at:
+    if timeline.imported_at < arrived_at:
         # A pre-started worker (the warm runtime) became the replica: it had imported
-        # everything; Serve's scale-up and the actor's creation in it are the queue.
+        # everything before the request; Serve's scale-up and the actor's creation in it
+        # are the queue.
         return ColdStartReport(total, path, {
             "queue": max(0.0, timeline.init_started_at - arrived_at), "start": 0.0,
             "import": 0.0, "weights": timeline.setup_s, "warmup": timeline.warmup_s})
