@@ -73,18 +73,23 @@ def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
     from ray.core.generated import runtime_environment_pb2 as runtime_env_pb2
 
+    # Ray's generated protobuf modules carry no type information.
+    common: Any = common_pb2
+    manager: Any = node_manager_pb2
+    env_pb2: Any = runtime_env_pb2
+    grpc_stubs: Any = node_manager_pb2_grpc
     worker: Any = ray._private.worker.global_worker
     channel = init_grpc_channel(f"{worker.node.node_ip_address}:{worker.node.node_manager_port}")
     try:
-        request = node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.PYTHON,
+        request = manager.PrestartWorkersRequest(
+            language=common.PYTHON,
             job_id=worker.current_job_id.binary(),
             # Replicas of an embedded Ember app have no runtime environment: "{}".
-            runtime_env_info=runtime_env_pb2.RuntimeEnvInfo(serialized_runtime_env="{}"),
+            runtime_env_info=env_pb2.RuntimeEnvInfo(serialized_runtime_env="{}"),
             keep_alive_duration_secs=keep_alive_s,
             num_workers=count,
         )
-        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+        grpc_stubs.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
     finally:
         channel.close()
 
