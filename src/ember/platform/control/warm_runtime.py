@@ -20,8 +20,8 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
 * The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
   ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
-  A worker that became a replica is gone from the idle set, so :class:`Refiller` starts one
-  more for every replica it sees appear.
+  A worker that became a replica (or an edge, or a task) is gone from the idle set, so
+  :class:`Refiller` tops the node's idle workers back up every second.
 
 Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
 it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
@@ -94,29 +94,39 @@ def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         channel.close()
 
 
-def replica_ids() -> set[str]:
-    """Every Serve replica in the cluster now (any app, any state)."""
-    from ray.serve.context import _get_global_client
+def idle_workers() -> int:
+    """Python workers of this node's raylet that are idle or still starting.
 
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return set()
-    ids: set[str] = set()
-    for app in (client.get_serve_details().get("applications") or {}).values():
-        for deployment in (app.get("deployments") or {}).values():
-            ids.update(str(r.get("replica_id")) for r in deployment.get("replicas") or [])
-    return ids
+    Ray names an idle worker's process ``ray::IDLE`` and a busy one ``ray::<task>``; one that
+    is still importing has the interpreter's name. Only the process that started the local
+    cluster can see its raylet.
+    """
+    import psutil
+    import ray
+    from ray._private import ray_constants
+
+    node: Any = ray._private.worker._global_node
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    count = 0
+    for child in psutil.Process(raylet).children():
+        try:
+            name = child.name()
+            starting = not name.startswith("ray::") and any(
+                "default_worker.py" in part for part in child.cmdline())
+        except psutil.Error:  # exited meanwhile
+            continue
+        count += name == "ray::IDLE" or starting
+    return count
 
 
 class Refiller:
-    """Keeps about ``idle`` pre-started workers on the node: one more per new replica.
+    """Keeps ``idle`` workers idle or starting on the node: the ones new replicas take.
 
     Runs in the process that started the local cluster, in a daemon thread.
     """
 
     def __init__(self, idle: int) -> None:
         self.idle = idle
-        self._seen: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ember-warm-runtime")
 
@@ -129,13 +139,11 @@ class Refiller:
 
     def _run(self) -> None:
         try:
-            self._seen = replica_ids()
-            prestart(self.idle)
-            while not self._stop.wait(_REFILL_EVERY_S):
-                now = replica_ids()
-                new = len(now - self._seen)
-                self._seen = now
-                if new:
-                    prestart(min(new, self.idle))
+            while True:
+                missing = self.idle - idle_workers()
+                if missing > 0:
+                    prestart(missing)
+                if self._stop.wait(_REFILL_EVERY_S):
+                    return
         except Exception:  # the fresh-process path still works; say so once
             logger.warning("warm runtime off: prestarting Ray workers failed", exc_info=True)
