@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,11 +42,15 @@ logger = logging.getLogger("ember.warm_runtime")
 #: Idle pre-started workers are kept this long (then Ray's idle-worker rules apply again).
 KEEP_ALIVE_S = 24 * 3600
 _REFILL_EVERY_S = 1.0
+#: A used worker is replaced this long after it was taken: a new worker importing torch
+#: competes for the cores with the cold start that just took the old one.
+_REFILL_AFTER_S = 3.0
 
 
-#: What every replica imports whatever the app: torch, Serve's replica actor (1.2 s of
-#: imports on its own, measured here) and Ember's replica code.
-_BASE_MODULES = ("torch", "ray.serve._private.replica", "ember.platform.control.replica")
+#: What every replica imports whatever the app: torch (and its operators run once), Serve's
+#: replica actor (1.2 s of imports on its own, measured here) and Ember's replica code.
+_BASE_MODULES = ("torch", "ember.platform.control.torch_warm", "ray.serve._private.replica",
+                 "ember.platform.control.replica")
 
 
 def preload_modules(modules: Iterable[str]) -> list[str]:
@@ -138,11 +143,16 @@ class Refiller:
         self._stop.set()
 
     def _run(self) -> None:
+        short_since: float | None = None
         try:
             while True:
                 missing = self.idle - idle_workers()
-                if missing > 0:
+                now = time.monotonic()
+                short_since = (short_since or now) if missing > 0 else None
+                if short_since is not None and (now - short_since >= _REFILL_AFTER_S
+                                                or missing == self.idle):
                     prestart(missing)
+                    short_since = None
                 if self._stop.wait(_REFILL_EVERY_S):
                     return
         except Exception:  # the fresh-process path still works; say so once
