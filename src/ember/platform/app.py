@@ -60,8 +60,8 @@ class App:
         self.name = name
         self.curl = curl
         self.protocols = tuple(protocols)
-        self.warm_pool = _pool_size(warm_pool)
-        self.warm_pool_bytes = _pool_bytes(warm_pool_bytes)
+        self.warm_pool = _count("warm_pool", warm_pool)
+        self.warm_pool_bytes = _count("warm_pool_bytes", warm_pool_bytes)
         self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
         self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
         stages = [stage for pipe in self.pipelines for stage in pipe.stages]
@@ -122,17 +122,10 @@ class App:
         return f"App(name={self.name!r}, deployments={[s.name for s in self.specs]})"
 
 
-def _pool_bytes(size: int | None) -> int:
-    if size is None:
-        size = settings.load().warm_pool_bytes
-    if size < 0:
-        raise ConfigError(f"warm_pool_bytes must be 0 or more, got {size}")
-    return size
-
-
-def _pool_size(size: int | None) -> int:
-    if size is None:
-        size = settings.load().warm_pool
-    if size < 0:
-        raise ConfigError(f"warm_pool must be 0 (off) or more, got {size}")
-    return size
+def _count(name: str, value: int | None) -> int:
+    """``value``, or the setting of the same name (``EMBER_<NAME>``) when None; never < 0."""
+    if value is None:
+        value = int(getattr(settings.load(), name))
+    if value < 0:
+        raise ConfigError(f"{name} must be 0 or more, got {value}")
+    return value
