@@ -128,6 +128,8 @@ def _pool_deployment(app: App) -> Any:
 
 #: Keeps the warm runtime's idle workers while this process's local cluster runs.
 _refiller: warm_runtime.Refiller | None = None
+#: How long ``serve_app`` waits for them before it returns (importing torch takes seconds).
+_WARM_RUNTIME_WAIT_S = 60.0
 
 
 def app_modules(app: App) -> list[str]:
@@ -195,6 +197,9 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
     if started_here and _refiller is None:
         _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
         _refiller.start()
+        if not _refiller.wait_ready(_WARM_RUNTIME_WAIT_S):
+            logger.warning("the warm runtime's workers are not up yet; the first cold starts "
+                           "may start fresh processes")
     return f"http://{host}:{port}"
 
 

@@ -99,8 +99,8 @@ def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         channel.close()
 
 
-def idle_workers() -> int:
-    """Python workers of this node's raylet that are idle or still starting.
+def idle_workers(*, starting: bool = True) -> int:
+    """Python workers of this node's raylet that are idle (or still starting, if asked).
 
     Ray names an idle worker's process ``ray::IDLE`` and a busy one ``ray::<task>``; one that
     is still importing has the interpreter's name. Only the process that started the local
@@ -116,11 +116,11 @@ def idle_workers() -> int:
     for child in psutil.Process(raylet).children():
         try:
             name = child.name()
-            starting = not name.startswith("ray::") and any(
+            booting = starting and not name.startswith("ray::") and any(
                 "default_worker.py" in part for part in child.cmdline())
         except psutil.Error:  # exited meanwhile
             continue
-        count += name == "ray::IDLE" or starting
+        count += name == "ray::IDLE" or booting
     return count
 
 
@@ -141,6 +141,21 @@ class Refiller:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until ``idle`` workers have finished their imports; False after ``timeout_s``.
+
+        Called before a server says it is up, so that its first cold start meets the warm
+        runtime rather than workers still importing torch.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.idle > 0 and self._thread.is_alive():
+            if idle_workers(starting=False) >= self.idle:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+        return self.idle == 0
 
     def _run(self) -> None:
         short_since: float | None = None
