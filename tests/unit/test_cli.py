@@ -44,12 +44,16 @@ def test_status_table_shows_cold_start_phases() -> None:
     assert "MiniLM" in text and "410 ms via pool (weights=118 warmup=21)" in text
 
 
-def test_status_says_what_an_unplaced_replica_waits_for() -> None:
+def test_status_says_what_a_replica_waits_for_and_which_preload_failed() -> None:
     row = {"deployment": "Big", "replicas_running": 0, "replicas_starting": 1, "ongoing": 0,
            "queued": 0, "floor": 0, "last_cold_start": None,
            "waiting_for_resources": "waiting for resources: needs CPU 1.0, 0.8 free"}
-    text = render_status({"app": "a", "ready": True, "deployments": [row]})
-    assert text.splitlines()[-1] == "Big: waiting for resources: needs CPU 1.0, 0.8 free"
+    broken = {**row, "deployment": "Broken", "waiting_for_resources": None,
+              "pool_failure": "warm pool preload failed: OSError: weights not found"}
+    text = render_status({"app": "a", "ready": True, "deployments": [row, broken]})
+    assert text.splitlines()[-2:] == [
+        "Big: waiting for resources: needs CPU 1.0, 0.8 free",
+        "Broken: warm pool preload failed: OSError: weights not found"]
 
 
 def test_cache_warm_records_a_snapshot(tmp_path: Path) -> None:

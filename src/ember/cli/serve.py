@@ -91,8 +91,8 @@ def render_status(status: dict[str, Any]) -> str:
                      str(d["ongoing"]), str(d["queued"]), str(d["floor"]),
                      _cold_text(d.get("last_cold_start"))))
     ready = "ready" if status.get("ready") else "not ready"
-    notes = [f"{d['deployment']}: {d['waiting_for_resources']}" for d in status["deployments"]
-             if d.get("waiting_for_resources")]
+    notes = [f"{d['deployment']}: {d[key]}" for d in status["deployments"]
+             for key in ("waiting_for_resources", "pool_failure") if d.get(key)]
     return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes])
 
 
