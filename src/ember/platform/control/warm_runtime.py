@@ -31,6 +31,7 @@ joins (``RAY_ADDRESS``), set ``preload_python_modules`` where ``ray start`` runs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -99,29 +100,65 @@ def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         channel.close()
 
 
-def idle_workers(*, starting: bool = True) -> int:
-    """Python workers of this node's raylet that are idle (or still starting, if asked).
-
-    Ray names an idle worker's process ``ray::IDLE`` and a busy one ``ray::<task>``; one that
-    is still importing has the interpreter's name. Only the process that started the local
-    cluster can see its raylet.
-    """
+def _raylet_children() -> list[Any]:
     import psutil
     import ray
     from ray._private import ray_constants
 
     node: Any = ray._private.worker._global_node
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return list(psutil.Process(raylet).children())
+
+
+def _is_worker(process: Any) -> bool:
+    return any("default_worker.py" in part for part in process.cmdline())
+
+
+def idle_workers() -> int:
+    """Python workers of this node's raylet that are idle or still starting.
+
+    Ray names a worker's process ``ray::IDLE`` once it has registered, ``ray::<task>`` once
+    it runs something, and leaves the interpreter's name before it registers. Only the
+    process that started the local cluster can see its raylet.
+    """
+    import psutil
+
     count = 0
-    for child in psutil.Process(raylet).children():
+    for child in _raylet_children():
         try:
             name = child.name()
-            booting = starting and not name.startswith("ray::") and any(
-                "default_worker.py" in part for part in child.cmdline())
+            count += name == "ray::IDLE" or (not name.startswith("ray::") and _is_worker(child))
         except psutil.Error:  # exited meanwhile
             continue
-        count += name == "ray::IDLE" or booting
     return count
+
+
+def settled_idle_workers(sample_s: float = 0.3) -> int:
+    """Idle workers that have finished their imports.
+
+    A worker takes the name ``ray::IDLE`` before it imports the preloaded modules, so the
+    name alone does not say it is ready; one that is still importing is busy on a core. One
+    that used under 2% of a core over ``sample_s`` has settled.
+    """
+    import psutil
+
+    before: dict[int, tuple[Any, float]] = {}
+    for child in _raylet_children():
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "ray::IDLE":
+                before[child.pid] = (child, _cpu_s(child))
+    time.sleep(sample_s)
+    settled = 0
+    for child, cpu_s in before.values():
+        with contextlib.suppress(psutil.Error):
+            used = _cpu_s(child) - cpu_s
+            settled += child.name() == "ray::IDLE" and used < 0.02 * sample_s
+    return settled
+
+
+def _cpu_s(process: Any) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 class Refiller:
@@ -149,12 +186,15 @@ class Refiller:
         runtime rather than workers still importing torch.
         """
         deadline = time.monotonic() + timeout_s
-        while self.idle > 0 and self._thread.is_alive():
-            if idle_workers(starting=False) >= self.idle:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.25)
+        try:
+            while self.idle > 0 and self._thread.is_alive():
+                if settled_idle_workers() >= self.idle:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+        except Exception:  # the raylet's processes unreadable: serve without waiting
+            logger.debug("cannot see the raylet's workers", exc_info=True)
+            return False
         return self.idle == 0
 
     def _run(self) -> None:
