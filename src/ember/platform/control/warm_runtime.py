@@ -16,7 +16,8 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
 
 * ``preload_python_modules`` (a raylet setting): every Python worker the raylet starts
   imports these modules before it accepts work. Every worker pays it, the edges and Serve's
-  controller included: measured here at about 370 MB of memory per process instead of 80.
+  controller included: about 400 MB resident per process instead of 80 (``bench/coldstart.py``
+  records it).
 * The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
   ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
