@@ -52,9 +52,10 @@ def _wait_ready(server: subprocess.Popen[bytes], log: Path, url: str, timeout_s:
 @pytest.mark.parametrize("victim", ["replica", "edge"])
 def test_processes_killed_under_load_are_replaced_and_requests_succeed(
         tmp_path: Path, victim: str) -> None:
-    # Two kills; each must be back to size within 15 s with >= 99% of all requests answered
-    # (the scenario's budgets). A killed edge drops the requests in flight on it, so edges
-    # are killed every 20 s, as the budget is stated, not every 10 s like replicas.
+    # Two kills; each must be back to size within 15 s (the scenario's budgets). A replica
+    # kill must leave >= 99% of all requests answered (they are retried on the other); an
+    # edge kill drops what its connections carry, so it may fail at most one request per
+    # user, and edges are killed every 20 s.
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_CACHE_DIR": str(tmp_path / "cache")}
