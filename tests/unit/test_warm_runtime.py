@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from ember.platform.control.warm_runtime import preload_modules, system_config
+from ember.platform.control.warm_runtime import system_config
 
 
 def test_every_worker_preloads_torch_serves_replica_and_the_apps_modules_once() -> None:
-    modules = preload_modules(["apps.core", "__main__", "torch", "apps.core"])
-    assert modules[0] == "torch" and "ray.serve._private.replica" in modules
-    assert modules[-1] == "apps.core" and modules.count("apps.core") == 1
-    assert "__main__" not in modules and modules.count("torch") == 1
-    assert system_config(["apps.core"]) == {"preload_python_modules": modules_of("apps.core")}
-
-
-def modules_of(app_module: str) -> list[str]:
-    return preload_modules([app_module])
+    config = system_config(["apps.core", "__main__", "torch", "apps.core"])
+    assert config == {"preload_python_modules": [
+        "torch", "ember.platform.control.torch_warm", "ray.serve._private.replica",
+        "ember.platform.control.replica", "apps.core"]}
