@@ -263,6 +263,9 @@ def shutdown() -> None:
 
     import ember
 
+    for refiller in _REFILLERS:  # before the raylet it watches goes away
+        refiller.stop()
+    _REFILLERS.clear()
     try:
         if ray.is_initialized():
             ember.shutdown()

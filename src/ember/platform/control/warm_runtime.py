@@ -16,8 +16,7 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
 
 * ``preload_python_modules`` (a raylet setting): every Python worker the raylet starts
   imports these modules before it accepts work. Every worker pays it, the edges and Serve's
-  controller included: about 400 MB resident per process instead of 80 (``bench/coldstart.py``
-  records it).
+  controller included (``bench/coldstart.py`` records an idle worker's resident memory).
 * The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
   ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
@@ -170,6 +169,7 @@ class Refiller:
 
     def __init__(self, idle: int) -> None:
         self.idle = idle
+        self._failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ember-warm-runtime")
 
@@ -188,7 +188,7 @@ class Refiller:
         """
         deadline = time.monotonic() + timeout_s
         try:
-            while self.idle > 0 and self._thread.is_alive():
+            while self.idle > 0 and self._thread.is_alive() and not self._failing:
                 if settled_idle_workers() >= self.idle:
                     return True
                 if time.monotonic() >= deadline:
@@ -200,8 +200,8 @@ class Refiller:
 
     def _run(self) -> None:
         short_since: float | None = None
-        try:
-            while True:
+        while True:
+            try:
                 missing = self.idle - idle_workers()
                 now = time.monotonic()
                 short_since = (short_since or now) if missing > 0 else None
@@ -209,7 +209,11 @@ class Refiller:
                                                 or missing == self.idle):
                     prestart(missing)
                     short_since = None
-                if self._stop.wait(_REFILL_EVERY_S):
-                    return
-        except Exception:  # the fresh-process path still works; say so once
-            logger.warning("warm runtime off: prestarting Ray workers failed", exc_info=True)
+                self._failing = False
+            except Exception:  # a busy raylet may time out; retry, but say so only once
+                if not self._failing:
+                    logger.warning("warm runtime: prestarting Ray workers failed; new "
+                                   "replicas start fresh processes meanwhile", exc_info=True)
+                self._failing = True
+            if self._stop.wait(_REFILL_EVERY_S):
+                return

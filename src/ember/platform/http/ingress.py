@@ -124,14 +124,17 @@ class IngressState:
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         await self._check_placement()
+        self.tracker.polled = True
+        # Once a second is enough for a scrape and for the pool's failed preloads (they change
+        # only when a pool replica starts); fast polls (0.25 s) need not repeat them.
+        now = time.monotonic()
+        if now - self._published_at < _PUBLISH_EVERY_S:
+            return
+        self._published_at = now
         if self.tracker.pool_expected:
             failures = await asyncio.to_thread(pool.read_failures, self.app_name)
             self.tracker.update_pool_failures(failures)
-        self.tracker.polled = True
-        # Once a second is enough for a scrape; fast polls (0.25 s) need not publish each time.
-        now = time.monotonic()
-        if self.board is not None and now - self._published_at >= _PUBLISH_EVERY_S:
-            self._published_at = now
+        if self.board is not None:
             await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
 
     async def _check_placement(self) -> None:
