@@ -52,13 +52,16 @@ _REFILL_AFTER_S = 3.0
 #: replica actor (1.2 s of imports on its own, measured here) and Ember's replica code.
 _BASE_MODULES = ("torch", "ember.platform.control.torch_warm", "ray.serve._private.replica",
                  "ember.platform.control.replica")
+#: Runs after every other preload: it freezes what they allocated (see its doc).
+_LAST = "ember.platform.control.settle_heap"
 
 
 def preload_modules(modules: Iterable[str]) -> list[str]:
     """Modules a warm-runtime worker imports: torch, Serve's and Ember's replica code, the
     app's."""
     wanted = [*_BASE_MODULES, *modules]
-    return [m for m in dict.fromkeys(wanted) if m and m != "__main__"]
+    ordered = [m for m in dict.fromkeys(wanted) if m and m != "__main__" and m != _LAST]
+    return [*ordered, _LAST]
 
 
 def system_config(modules: Iterable[str]) -> dict[str, Any]:

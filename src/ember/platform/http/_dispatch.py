@@ -35,7 +35,11 @@ from ember.platform.control import coldstart
 from ember.platform.control.coldstart import ColdStartReport, ReplicaTimeline
 from ember.platform.control.pool import PoolAnswer
 from ember.platform.decorator import RouteSpec
-from ember.platform.http._router_view import assigned, running_replicas
+from ember.platform.http._router_view import (
+    assigned,
+    push_fresh_demand_at_zero,
+    running_replicas,
+)
 from ember.platform.http._state import LoadTracker
 
 logger = logging.getLogger("ember.ingress")
@@ -47,6 +51,8 @@ _TIMELINE_TIMEOUT_S = 2.0
 _FAILED_START_POLL_S = 0.5
 #: ... and, when the warm pool could take it, whether it is still waiting for a replica.
 _REROUTE_POLL_S = 0.1
+#: How often a cold request's timeline fetch looks for the new replica (a local read).
+_PLACED_POLL_S = 0.01
 #: Ray Serve deployment states in which no replica will come without a redeploy.
 _FAILED_STATUSES = frozenset({"UNHEALTHY", "DEPLOY_FAILED"})
 
@@ -88,6 +94,7 @@ class Dispatcher:
         pool: DeploymentHandle[Any] | None = None,
         pool_names: frozenset[str] = frozenset(),
     ) -> None:
+        push_fresh_demand_at_zero()  # here, in the edge: the process that holds the handles
         self._handles = handles
         grpc = _grpc_transport()
         self._calls = {n: h.options(method_name="ember_call", **grpc)
@@ -113,24 +120,29 @@ class Dispatcher:
         """
         arrived = time.time()
         chain = route.chain or ((route.deployment, route.attr),)
-        cold = self.no_own_replica(route.deployment)
         with self._tracking([name for name, _ in chain]):
             pooled = await self._try_pool(route, body, request_id, arrived)
             if pooled is not None:
                 return pooled
             self._refuse_unplaced([name for name, _ in chain])
             self._wake_cold(chain[1:])
+            timeline = self._timeline_once_placed(route.deployment)
             try:
                 result = await self._send_chain(route, chain, body, request_id,
                                                 reroute=not route.chain)
             except _ToPool:  # the last replica went while this request waited for one
+                _cancel(timeline)
                 pooled = await self._try_pool(route, body, request_id, arrived)
                 if pooled is not None:
                     return pooled
-                cold = True
+                timeline = self._timeline_once_placed(route.deployment, cold=True)
                 result = await self._send_chain(route, chain, body, request_id, reroute=False)
-        report = await self._replica_report(route.deployment, arrived) if cold else None
-        return Outcome(result, report)
+            except BaseException:
+                _cancel(timeline)
+                raise
+        if timeline is None:
+            return Outcome(result)
+        return Outcome(result, await self._replica_report(route.deployment, arrived, timeline))
 
     async def _send_chain(self, route: RouteSpec, chain: tuple[tuple[str, str], ...],
                           body: Any, request_id: str, *, reroute: bool) -> Any:
@@ -194,17 +206,40 @@ class Dispatcher:
         self.tracker.record_cold(name, report)
         return Outcome(answer.value, report)
 
-    async def _replica_report(self, name: str, arrived: float) -> ColdStartReport:
+    def _timeline_once_placed(self, name: str, *, cold: bool | None = None
+                              ) -> asyncio.Task[ReplicaTimeline | None] | None:
+        """For a request that finds ``name`` without a running replica: fetch the new
+        replica's start timeline as soon as the router has one, while the request runs.
+
+        Asked only after the request is answered, the timeline cost one more round trip to
+        the replica on every cold start's answer. None when ``name`` has a replica.
+        """
+        if not (self.no_own_replica(name) if cold is None else cold):
+            return None
+        return asyncio.ensure_future(self._fetch_timeline(name))
+
+    async def _fetch_timeline(self, name: str) -> ReplicaTimeline | None:
+        try:
+            async with asyncio.timeout(self._options[name].request_timeout_s):
+                while self.no_own_replica(name):
+                    await asyncio.sleep(_PLACED_POLL_S)
+                ping = self._handles[name].options(method_name="ember_ping").remote()
+                return ReplicaTimeline(**await _resolve(ping))
+        except Exception:  # phases are best effort; the answer itself is what matters
+            logger.debug("no replica timeline for %s", name, exc_info=True)
+            return None
+
+    async def _replica_report(self, name: str, arrived: float,
+                              timeline: asyncio.Task[ReplicaTimeline | None]
+                              ) -> ColdStartReport:
         """Phases of a cold request served by the deployment's own (new) replica."""
         answered = time.time()
-        timeline: ReplicaTimeline | None = None
         try:
-            ping = self._handles[name].options(method_name="ember_ping").remote()
-            timeline = ReplicaTimeline(**await asyncio.wait_for(_resolve(ping),
-                                                                _TIMELINE_TIMEOUT_S))
-        except Exception:  # phases are best effort; the answer itself already succeeded
-            logger.debug("no replica timeline for %s", name, exc_info=True)
-        report = coldstart.report(arrived, answered, timeline, "replica")
+            fetched = await asyncio.wait_for(asyncio.shield(timeline), _TIMELINE_TIMEOUT_S)
+        except TimeoutError:
+            _cancel(timeline)
+            fetched = None
+        report = coldstart.report(arrived, answered, fetched, "replica")
         self.tracker.record_cold(name, report)
         return report
 
@@ -317,6 +352,11 @@ class Dispatcher:
             for name in dict.fromkeys(names):
                 stack.enter_context(self.tracker.track(name))
             yield
+
+
+def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 async def _resolve(response: Any) -> Any:

@@ -11,11 +11,16 @@ Serve exposes neither fact publicly; both readers return None when the internals
 are not there (a Ray upgrade moved them), and callers fall back to the polled counts.
 ``tests/integration/test_pool.py`` sends requests right as the last replica goes and fails
 if they wait.
+
+``push_fresh_demand_at_zero`` mends the router's side of a cold start: see its doc.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from ray.serve._private import router as _serve_router
 
 
 def running_replicas(handle: Any) -> int | None:
@@ -37,3 +42,35 @@ def assigned(response: Any) -> bool | None:
     future = getattr(response, "_replica_result_future", None)
     done = getattr(future, "done", None)
     return bool(done()) if callable(done) else None
+
+
+def push_fresh_demand_at_zero() -> bool:
+    """Make the router's cold-start push carry the request that caused it.
+
+    When a request is queued for a deployment with no replica, Serve's router pushes its
+    queue metrics to the controller at once, so the controller can start a replica without
+    waiting for the next periodic push. But the report is built from the samples the router
+    records every ``look_back_period_s / 5``, and the newest of those predates the request:
+    the controller reads a queue of 0 and starts nothing until the next periodic push, up to
+    ``metrics_interval_s`` later (0.1-0.25 s of every own-replica cold start, measured).
+    Recording a sample just before that push fixes it. Installed in the process that holds
+    the handles (the edge); returns False when a Ray upgrade moved what this wraps.
+    """
+    manager = getattr(_serve_router, "RouterMetricsManager", None)
+    original: Callable[..., bool] | None = getattr(
+        manager, "should_send_scaled_to_zero_optimized_push", None)
+    records = hasattr(manager, "_add_autoscaling_metrics_point")
+    if manager is None or original is None or not records:
+        return False
+    if getattr(original, "__ember_fresh__", False):
+        return True
+
+    def fresh(self: Any, curr_num_replicas: int) -> bool:
+        send = original(self, curr_num_replicas)
+        if send:
+            self._add_autoscaling_metrics_point()
+        return send
+
+    fresh.__ember_fresh__ = True  # type: ignore[attr-defined]
+    manager.should_send_scaled_to_zero_optimized_push = fresh
+    return True

@@ -1,0 +1,74 @@
+"""The router's cold-start push, run through Ray Serve's own metrics manager."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve._private.config import DeploymentConfig
+from ray.serve._private.router import RouterMetricsManager
+
+from ember.platform.http._router_view import push_fresh_demand_at_zero
+
+
+class _Metric:
+    def set_default_tags(self, tags: dict[str, str]) -> None: ...
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None: ...
+
+
+class _Method:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def remote(self, payload: Any) -> None:
+        self.calls += 1
+
+
+class _Controller:
+    def __init__(self) -> None:
+        self.record_autoscaling_metrics_from_handle = _Method()
+
+
+def _manager() -> tuple[RouterMetricsManager, _Controller, list[Any]]:
+    controller = _Controller()
+    manager = RouterMetricsManager(
+        DeploymentID(name="Model", app_name="app"), "handle", "actor",
+        DeploymentHandleSource.UNKNOWN, controller,  # type: ignore[arg-type]
+        _Metric(), _Metric(), _Metric(),  # type: ignore[arg-type]
+        asyncio.new_event_loop())
+    # What update_deployment_config would set, without starting its periodic tasks.
+    manager._deployment_config = DeploymentConfig(
+        autoscaling_config={"min_replicas": 0, "max_replicas": 2,
+                            "look_back_period_s": 1.0, "metrics_interval_s": 0.25})
+    reports: list[Any] = []
+    build = manager._get_metrics_report
+
+    def spy() -> Any:
+        reports.append(build())
+        return reports[-1]
+
+    manager._get_metrics_report = spy  # type: ignore[method-assign]
+    return manager, controller, reports
+
+
+def test_the_push_for_a_request_at_zero_replicas_carries_that_request() -> None:
+    assert push_fresh_demand_at_zero()
+    manager, controller, reports = _manager()
+    manager._add_autoscaling_metrics_point()  # the periodic sample, taken before the request
+    with manager.wrap_queued_request(is_retry=False, num_curr_replicas=0):
+        pass
+    assert controller.record_autoscaling_metrics_from_handle.calls == 1
+    # Without the fix the newest sample is the periodic one: a queue of 0, nothing to start.
+    assert reports[0].queued_requests[-1].value == 1
+
+
+def test_a_deployment_with_replicas_gets_no_extra_sample_or_push() -> None:
+    assert push_fresh_demand_at_zero()
+    manager, controller, _ = _manager()
+    manager._add_autoscaling_metrics_point()
+    with manager.wrap_queued_request(is_retry=False, num_curr_replicas=1):
+        pass
+    assert controller.record_autoscaling_metrics_from_handle.calls == 0
+    assert [point.value for point in manager.metrics_store.data["queued"]] == [0]
