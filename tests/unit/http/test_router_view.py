@@ -56,7 +56,7 @@ def _manager() -> tuple[RouterMetricsManager, _Controller, list[Any]]:
 def test_the_push_for_a_request_at_zero_replicas_carries_that_request() -> None:
     assert push_fresh_demand_at_zero()
     manager, controller, reports = _manager()
-    manager._add_autoscaling_metrics_point()  # the periodic sample, taken before the request
+    manager._add_autoscaling_metrics_point()  # type: ignore[no-untyped-call]  # periodic sample
     with manager.wrap_queued_request(is_retry=False, num_curr_replicas=0):
         pass
     assert controller.record_autoscaling_metrics_from_handle.calls == 1
@@ -67,7 +67,7 @@ def test_the_push_for_a_request_at_zero_replicas_carries_that_request() -> None:
 def test_a_deployment_with_replicas_gets_no_extra_sample_or_push() -> None:
     assert push_fresh_demand_at_zero()
     manager, controller, _ = _manager()
-    manager._add_autoscaling_metrics_point()
+    manager._add_autoscaling_metrics_point()  # type: ignore[no-untyped-call]
     with manager.wrap_queued_request(is_retry=False, num_curr_replicas=1):
         pass
     assert controller.record_autoscaling_metrics_from_handle.calls == 0
