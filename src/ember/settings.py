@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     warm_pool_bytes: int = Field(
         2 << 30, ge=0, description="model memory one pool replica keeps constructed"
     )
+    gpu_pool_park_after_s: float = Field(
+        10.0, ge=0, allow_inf_nan=False,
+        description="idle time before the GPU pool frees a model's device copy",
+    )
     scaledown_after_s: float | None = Field(
         None, ge=0, allow_inf_nan=False, description="overrides every deployment's quiet time"
     )

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps import pool
+from apps import gpu_pool, pool
 from serving import ControllerWatch, ServeApp, read_deployment
 from support import deployment_status, every_edge_sees, wait_for
 
@@ -147,3 +148,31 @@ def test_a_failing_preload_marks_its_deployment_and_the_app_stays_ready(url: str
     # The other preloaded deployment is still served by the pool without a setup.
     reply = _ask_at_zero(url, "Preloaded", "/preloaded", "ok")
     assert reply.status_code == 200 and _path(reply) == "pool"
+
+
+def test_a_gpu_deployment_is_served_by_the_gpu_pool_from_its_parked_host_copy(
+    serve_app: ServeApp,
+) -> None:
+    from ray import serve
+
+    values = [0.25] * gpu_pool.SIZE
+    with torch.inference_mode():
+        expected = [float(v) for v in gpu_pool.build()(torch.tensor(values))]
+    with serve_app(gpu_pool.app, env={"EMBER_GPU_POOL_PARK_AFTER_S": "1"}) as base:
+        pool_handle = serve.get_deployment_handle("ember-pool-gpu", gpu_pool.app.name)
+        assert pool_handle.ember_ping.remote().result(timeout_s=30)["on_device"] == []
+        first = httpx.post(f"{base}/gpu-model", json={"values": values}, timeout=60)
+        assert first.status_code == 200 and first.json() == pytest.approx(expected)
+        phases = _phases(first.headers["x-ember-cold-start"])
+        # Preloaded, so nothing was built for it; its parked copy moved to the device.
+        assert phases["path"] == "pool" and phases["weights"] == "0" and "device" in phases
+        moved = pool_handle.ember_ping.remote().result(timeout_s=30)["moves"]["GpuModel"]
+        assert moved["bytes"] == (gpu_pool.SIZE * 4 + 4) * 4 and moved["staged_copies"] == 2
+        # Its own replica needs a GPU this cluster lacks: the status says so meanwhile.
+        wait_for(lambda: "GPU" in (deployment_status(base, "GpuModel")["waiting_for_resources"]
+                                   or ""), 30, what="the GPU replica reported unplaceable")
+        wait_for(lambda: pool_handle.ember_ping.remote().result(timeout_s=30)["on_device"] == [],
+                 30, what="the idle model parked again")
+        again = httpx.post(f"{base}/gpu-model", json={"values": values}, timeout=60)
+        assert again.status_code == 200 and again.json() == pytest.approx(expected)
+        assert "device" in _phases(again.headers["x-ember-cold-start"])

@@ -55,15 +55,58 @@ class Broken:
 A, B, C = _model("A", 4), _model("B", 4), _model("C", 4)
 
 
-async def _pool(*classes: type, preload: tuple[str, ...] = (), max_bytes: int) -> EmberPool:
+@ember.deployment(name="Gpu", num_gpus=1, max_ongoing_requests=2)
+class Gpu:
+    def setup(self) -> None:
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(256, 256)  # 257 KiB of float32
+
+    def __call__(self, x: list[float]) -> list[float]:
+        with torch.inference_mode():
+            return self.net(torch.tensor(x)).tolist()  # type: ignore[no-any-return]
+
+
+async def _pool(*classes: type, preload: tuple[str, ...] = (), max_bytes: int,
+                gpu: bool = False, park_after_s: float = 10.0) -> EmberPool:
     pool = EmberPool.__new__(EmberPool)
-    await pool.__init__([get_spec(c) for c in classes], list(preload), max_bytes)  # type: ignore[misc]
+    await pool.__init__([get_spec(c) for c in classes], list(preload), max_bytes,  # type: ignore[misc]
+                        gpu=gpu, park_after_s=park_after_s)
     return pool
 
 
 def test_the_pool_process_sees_no_gpu() -> None:
     _run(_pool(A, max_bytes=MIB))
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_gpu_pool_leaves_the_gpus_visible() -> None:
+    _run(_pool(Gpu, max_bytes=MIB, gpu=True))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_gpu_model_is_parked_moved_for_requests_and_parked_again_when_idle() -> None:
+    x = [0.5] * 256
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(256, 256)(torch.tensor(x)).tolist()
+
+    async def scenario() -> list[Any]:
+        pool = await _pool(Gpu, preload=("Gpu",), max_bytes=MIB, gpu=True, park_after_s=0.2)
+        parked = await pool.ember_ping()
+        first = await pool.ember_call("Gpu", "__call__", x)
+        served = await pool.ember_ping()
+        await asyncio.sleep(0.6)  # idle past park_after_s
+        idle = await pool.ember_ping()
+        again = await pool.ember_call("Gpu", "__call__", x)
+        return [parked, first, served, idle, again]
+
+    parked, first, served, idle, again = _run(scenario())
+    assert parked["on_device"] == [] and parked["bytes"] == {"Gpu": (256 * 256 + 256) * 4}
+    assert first.value == expected and first.timeline["device_s"] > 0
+    assert served["on_device"] == ["Gpu"]
+    assert served["moves"]["Gpu"]["bytes"] == (256 * 256 + 256) * 4
+    assert served["moves"]["Gpu"]["staged_copies"] == 2  # weight and bias, each in one piece
+    assert idle["on_device"] == []
+    assert again.value == expected and again.timeline["device_s"] > 0
 
 
 def test_model_bytes_counts_parameters_and_bare_tensors_once() -> None:

@@ -42,6 +42,7 @@ from ember.loaders._snapshot_admin import (
     list_snapshots,
     preload_snapshot,
 )
+from ember.loaders._staging import StagingCopier
 from ember.loaders._tier import CacheEntry
 from ember.loaders._tier_node import NodeTier
 
@@ -61,6 +62,7 @@ __all__ = [
     "SnapshotInvalid",
     "SnapshotLoad",
     "SourceError",
+    "StagingCopier",
     "UnsafeFormat",
     "UnsafePath",
     "WeightsNotFound",

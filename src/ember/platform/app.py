@@ -79,11 +79,13 @@ class App:
         for pipe in self.pipelines:
             yield pipe.route_spec()
 
-    def pool_specs(self) -> list[DeploymentSpec]:
-        """Deployments the warm pool may serve: opted in and CPU-only (the pool has no GPU)."""
+    def pool_specs(self, *, gpu: bool = False) -> list[DeploymentSpec]:
+        """Deployments a warm pool may serve: those opted in, CPU-only ones in the CPU pool
+        and GPU ones in the GPU pool (see ``control/pool.py``)."""
         if self.warm_pool == 0:
             return []
-        return [s for s in self.specs if s.options.warm_pool and s.options.num_gpus == 0]
+        return [s for s in self.specs
+                if s.options.warm_pool and (s.options.num_gpus > 0) == gpu]
 
     def timeouts(self) -> dict[str, float]:
         """Per-route timeouts that differ from the deployment's (pipelines own theirs)."""

@@ -22,7 +22,7 @@ from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
 from ember.platform.control import warm_runtime
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
-from ember.platform.control.pool import POOL_DEPLOYMENT, EmberPool
+from ember.platform.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.platform.control.replica import replica_class
 from ember.platform.http.auth import ApiKeys
 from ember.platform.http.edge import (
@@ -105,25 +105,27 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=DRAIN_S + 5,
     )(EmberEdge)
-    pool_names = [s.name for s in app.pool_specs()]
     state_args = {
         "app_name": app.name, "routes": list(app.routes()), "options": options,
         "handles": handles, "timeouts": app.timeouts(), "protocols": app.protocols,
-        "pool": _pool_deployment(app), "pool_names": frozenset(pool_names),
+        "pool": _pool_deployment(app),
+        "pool_names": frozenset(s.name for s in app.pool_specs()),
+        "gpu_pool": _pool_deployment(app, gpu=True),
+        "gpu_pool_names": frozenset(s.name for s in app.pool_specs(gpu=True)),
         # Read where the operator set them; only key digests travel to the edges.
         "keys": ApiKeys.from_env(), "limiter": RateLimiter.from_env(),
     }
     return edge.bind(host, default_port() if port is None else port, state_args)
 
 
-def _pool_deployment(app: App) -> Any:
-    """The bound warm pool of ``app``, or None when it has none."""
-    specs = app.pool_specs()
+def _pool_deployment(app: App, *, gpu: bool = False) -> Any:
+    """The bound CPU (or GPU) warm pool of ``app``, or None when it has none."""
+    specs = app.pool_specs(gpu=gpu)
     if not specs:
         return None
     preload = [s.name for s in specs if s.options.preload]
     pool = serve.deployment(
-        name=POOL_DEPLOYMENT,
+        name=GPU_POOL_DEPLOYMENT if gpu else POOL_DEPLOYMENT,
         num_replicas=app.warm_pool,
         # Requests reach the pool only while a deployment is cold; it must not queue them.
         max_ongoing_requests=512,
@@ -132,7 +134,8 @@ def _pool_deployment(app: App) -> Any:
         # Preloading runs setup() of every preloaded deployment before the pool is ready.
         health_check_timeout_s=60,
     )(EmberPool)
-    return pool.bind(specs, preload, app.warm_pool_bytes, app.name)
+    return pool.bind(specs, preload, app.warm_pool_bytes, app.name, gpu=gpu,
+                     park_after_s=settings.load().gpu_pool_park_after_s)
 
 
 #: Keeps the warm runtime's idle workers while this process's local cluster runs.

@@ -207,6 +207,43 @@ def test_cold_request_goes_to_the_pool_and_reports_path_pool() -> None:
     assert dispatcher.tracker.loads["Echo"].cold_starts == 1
 
 
+@ember.deployment(route="/gpu-echo", num_gpus=1)
+class GpuEcho:
+    def __call__(self, body: Text) -> dict[str, str]:
+        return {"gpu": body.text}
+
+
+GPU_APP = ember.App([Echo, GpuEcho], warm_pool=1)
+
+
+def test_app_splits_its_pooled_deployments_between_the_cpu_and_the_gpu_pool() -> None:
+    assert [s.name for s in GPU_APP.pool_specs()] == ["Echo"]
+    assert [s.name for s in GPU_APP.pool_specs(gpu=True)] == ["GpuEcho"]
+
+
+def test_a_cold_gpu_deployment_goes_to_the_gpu_pool_only_while_that_pool_runs() -> None:
+    cpu_pool, gpu_pool = FakeHandle(pool_of(Echo)), FakeHandle(pool_of(GpuEcho))
+    gpu = FakeHandle(replica_of(GpuEcho))
+    options = {spec.name: spec.options for spec in GPU_APP.specs}
+    tracker = LoadTracker(options, Metrics())
+    for load in tracker.loads.values():
+        load.running = 0
+    dispatcher = Dispatcher(
+        {"Echo": as_handle(FakeHandle(replica_of(Echo))), "GpuEcho": as_handle(gpu)}, options,
+        tracker, None, as_handle(cpu_pool), frozenset(["Echo"]), as_handle(gpu_pool),
+        frozenset(["GpuEcho"]))
+    tracker.pool_running = 1  # the CPU pool runs, the GPU pool not yet: the replica serves
+    first = _run(dispatcher.call(_route(GpuEcho), BODY, "req-gpu-1"))
+    assert gpu.count("ember_call") == 1 and cpu_pool.sent == [] and gpu_pool.sent == []
+    assert first.value == {"gpu": "hello cold world"}
+    for load in tracker.loads.values():
+        load.running = 0
+    tracker.gpu_pool_running = 1
+    second = _run(dispatcher.call(_route(GpuEcho), BODY, "req-gpu-2"))
+    assert [s.args for s in gpu_pool.sent] == [("GpuEcho", "__call__", BODY)]
+    assert cpu_pool.sent == [] and second.cold is not None and second.cold.path == "pool"
+
+
 @pytest.mark.parametrize(("cls", "pool_running"), [(Echo, 0), (NoPool, 1)],
                          ids=["pool not running", "deployment opted out"])
 def test_cold_request_goes_to_the_deployment_when_the_pool_cannot_serve_it(

@@ -13,6 +13,8 @@ in the ``X-Ember-Cold-Start`` header (milliseconds)::
   and the deployment's module);
 * ``weights``: the deployment's ``setup()``, which loads the weights;
 * ``warmup``: its ``warmup()``, run before the replica reports ready;
+* ``device``: only for a GPU deployment served by the GPU pool, the move of its model from
+  pinned host memory to the device (``device_snapshot.py``); absent when nothing moved;
 * ``path``: ``replica`` (the deployment's own replica started) or ``pool`` (a pre-warmed
   pool replica served it while the deployment's own replica started).
 """
@@ -50,6 +52,7 @@ class ReplicaTimeline:
     warmup_s: float = 0.0
     ready_at: float = 0.0
     prewarmed: bool = False  # True in a pool process: nothing was started for the request
+    device_s: float = 0.0  # the GPU pool's host-to-device move for this request, if any
 
     def as_dict(self) -> dict[str, float | bool]:
         return asdict(self)
@@ -67,6 +70,8 @@ class ColdStartReport:
         """The ``X-Ember-Cold-Start`` value, in milliseconds."""
         parts = [f"total={self.total_s * 1000:.0f}", f"path={self.path}"]
         parts += [f"{name}={self.phases.get(name, 0.0) * 1000:.0f}" for name in PHASES]
+        if "device" in self.phases:
+            parts.append(f"device={self.phases['device'] * 1000:.0f}")
         return ";".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -98,8 +103,11 @@ def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | No
         ran_setup = timeline.init_started_at >= arrived_at
         weights = timeline.setup_s if ran_setup else 0.0
         warmup = timeline.warmup_s if ran_setup else 0.0
-        return ColdStartReport(total, path, {"queue": 0.0, "start": 0.0, "import": 0.0,
-                                             "weights": weights, "warmup": warmup})
+        phases = {"queue": 0.0, "start": 0.0, "import": 0.0, "weights": weights,
+                  "warmup": warmup}
+        if timeline.device_s > 0:
+            phases["device"] = timeline.device_s
+        return ColdStartReport(total, path, phases)
     if timeline.imported_at < arrived_at:
         # A pre-started worker (the warm runtime) became the replica: it had imported
         # everything before the request; Serve's scale-up and the actor's creation in it

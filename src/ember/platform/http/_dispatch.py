@@ -93,6 +93,8 @@ class Dispatcher:
         timeouts: dict[str, float] | None = None,
         pool: DeploymentHandle[Any] | None = None,
         pool_names: frozenset[str] = frozenset(),
+        gpu_pool: DeploymentHandle[Any] | None = None,
+        gpu_pool_names: frozenset[str] = frozenset(),
     ) -> None:
         push_fresh_demand_at_zero()  # here, in the edge: the process that holds the handles
         self._handles = handles
@@ -101,9 +103,13 @@ class Dispatcher:
                        for n, h in handles.items()}
         self._options = options
         self._timeouts = timeouts or {}
-        self._pool = (pool.options(method_name="ember_call", **grpc) if pool is not None
-                      else None)
-        self._pool_names = pool_names
+        #: The pool that serves each deployment it may serve (CPU or GPU pool).
+        self._pool_of: dict[str, Any] = {}
+        for handle, names in ((pool, pool_names), (gpu_pool, gpu_pool_names)):
+            if handle is not None:
+                call = handle.options(method_name="ember_call", **grpc)
+                self._pool_of.update(dict.fromkeys(names, call))
+        self._gpu_pooled = gpu_pool_names if gpu_pool is not None else frozenset()
         self._woken_at: dict[str, float] = {}
         self.tracker = tracker
 
@@ -173,9 +179,10 @@ class Dispatcher:
         return live == 0 if live is not None else self.tracker.loads[name].running == 0
 
     def _pool_can_serve(self, name: str) -> bool:
-        return (self._pool is not None and name in self._pool_names
-                and name not in self.tracker.pool_failures and self.tracker.pool_running > 0
-                and self.no_own_replica(name))
+        running = (self.tracker.gpu_pool_running if name in self._gpu_pooled
+                   else self.tracker.pool_running)
+        return (name in self._pool_of and name not in self.tracker.pool_failures
+                and running > 0 and self.no_own_replica(name))
 
     async def _try_pool(self, route: RouteSpec, body: Any, request_id: str,
                         arrived: float) -> Outcome | None:
@@ -185,7 +192,7 @@ class Dispatcher:
         has a replica, or the pool is at the deployment's concurrency cap): the request is
         then held for the deployment's own replica like any other.
         """
-        if self._pool is None or route.chain or not self._pool_can_serve(route.deployment):
+        if route.chain or not self._pool_can_serve(route.deployment):
             return None
         name = route.deployment
         self._wake_cold(((name, route.attr),))
@@ -193,7 +200,7 @@ class Dispatcher:
         # as long as the pool works on the request is counted by Serve's autoscaler.
         demand = self._handles[name].options(method_name="ember_ping").remote()
         try:
-            response = self._pool.remote(name, route.attr, body)
+            response = self._pool_of[name].remote(name, route.attr, body)
             answer: PoolAnswer = await self._await([response], route, request_id,
                                                    reroute=False)
         finally:
@@ -289,7 +296,7 @@ class Dispatcher:
         a replica of it while the warm pool could serve it.
         """
         task = asyncio.ensure_future(_resolve(response))
-        poll_s = _REROUTE_POLL_S if reroute in self._pool_names else _FAILED_START_POLL_S
+        poll_s = _REROUTE_POLL_S if reroute in self._pool_of else _FAILED_START_POLL_S
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ember.platform.config import DeploymentOptions
 from ember.platform.control.coldstart import ColdStartReport
+from ember.platform.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT
 from ember.platform.http._metrics import Metrics
 
 
@@ -80,11 +81,13 @@ class LoadTracker:
         self.metrics = metrics
         self.loads = {name: DeploymentLoad(name, opts) for name, opts in options.items()}
         self.pool_running = 0
+        self.gpu_pool_running = 0
         #: Deployments whose preload failed in the warm pool, with the reason.
         self.pool_failures: dict[str, str] = {}
         self.edges_running = 0
         #: Whether the app has a warm pool, whose replica must be up before it is ready.
         self.pool_expected = False
+        self.gpu_pool_expected = False
         #: Whether replica states have been read at least once; not ready before that.
         self.polled = False
 
@@ -105,8 +108,10 @@ class LoadTracker:
         """Take one ``DeploymentStatusOverview`` from Ray Serve's status."""
         load = self.loads.get(deployment)
         if load is None:
-            if deployment == "ember-pool":
+            if deployment == POOL_DEPLOYMENT:
                 self.pool_running = int(overview.replica_states.get("RUNNING", 0))
+            elif deployment == GPU_POOL_DEPLOYMENT:
+                self.gpu_pool_running = int(overview.replica_states.get("RUNNING", 0))
             elif deployment == EDGE_DEPLOYMENT:
                 self.edges_running = int(overview.replica_states.get("RUNNING", 0))
             return
@@ -132,7 +137,7 @@ class LoadTracker:
 
     def changing(self) -> bool:
         """Whether some deployment is starting replicas or has requests waiting at zero."""
-        if self.pool_expected and self.pool_running == 0:
+        if not self._pools_up():
             return True
         return any(load.starting > 0 or (load.running == 0 and load.inflight > 0)
                    for load in self.loads.values())
@@ -140,8 +145,11 @@ class LoadTracker:
     def ready(self) -> bool:
         """True when every floor is met and the warm pool (if any) is up, as last read."""
         floors_met = all(load.running >= load.options.warm_floor for load in self.loads.values())
-        pool_up = self.pool_running > 0 or not self.pool_expected
-        return self.polled and floors_met and pool_up
+        return self.polled and floors_met and self._pools_up()
+
+    def _pools_up(self) -> bool:
+        return ((self.pool_running > 0 or not self.pool_expected)
+                and (self.gpu_pool_running > 0 or not self.gpu_pool_expected))
 
     def _publish(self, load: DeploymentLoad) -> None:
         self.metrics.ongoing.labels(load.name).set(load.ongoing)

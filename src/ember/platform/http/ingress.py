@@ -71,7 +71,9 @@ class IngressState:
                  timeouts: dict[str, float], protocols: tuple[Protocol, ...] = (),
                  pool: DeploymentHandle[Any] | None = None,
                  pool_names: frozenset[str] = frozenset(),
-                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None) -> None:
+                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None, *,
+                 gpu_pool: DeploymentHandle[Any] | None = None,
+                 gpu_pool_names: frozenset[str] = frozenset()) -> None:
         self.app_name = app_name
         # Read in the process that deploys (where the operator set them); only key digests
         # travel to the ingress.
@@ -86,8 +88,10 @@ class IngressState:
         self.board: EdgeBoard | None = None
         self._published_at = -_PUBLISH_EVERY_S
         self.tracker = LoadTracker(options, self.metrics)
-        self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names)
+        self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names,
+                                     gpu_pool, gpu_pool_names)
         self.tracker.pool_expected = pool is not None
+        self.tracker.gpu_pool_expected = gpu_pool is not None
         self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
         self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
         self._deployment_of = {r.path: r.deployment for r in routes}
@@ -131,7 +135,7 @@ class IngressState:
         if now - self._published_at < _PUBLISH_EVERY_S:
             return
         self._published_at = now
-        if self.tracker.pool_expected:
+        if self.tracker.pool_expected or self.tracker.gpu_pool_expected:
             failures = await asyncio.to_thread(pool.read_failures, self.app_name)
             self.tracker.update_pool_failures(failures)
         if self.board is not None:
