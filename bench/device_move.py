@@ -1,0 +1,90 @@
+"""The GPU warm pool's move of a parked model to the device, against ``module.to(device)``.
+
+The GPU pool keeps a GPU deployment's tensors in pinned host memory and moves them to the
+device through two pinned staging buffers on the first request at zero
+(``ember.platform.control.device_snapshot``). The peer is what a replica does without it:
+``model.to(device)`` from ordinary (pageable) host tensors. Both move the MiniLM flagship's
+encoder (90 MB of float32); trials alternate; medians and GB/s reported.
+
+Meant for a machine with a GPU. Without CUDA the device is the CPU, pinning is off and both
+sides are plain memory copies: the run then says so in ``device`` and its figures describe
+memory bandwidth, not a host-to-device link.
+
+Usage:
+    .venv/bin/python bench/device_move.py [--short] [--trials 7]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from typing import Any
+
+import _harness as h
+import torch
+
+from ember.deployments.embeddings import load_encoder
+from ember.platform.control.device_snapshot import DeviceSnapshot
+
+
+class _Holder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peer_once(host_model: torch.nn.Module, device: torch.device) -> float:
+    model = copy.deepcopy(host_model)  # pageable host tensors, as a fresh replica has them
+    started = time.perf_counter()
+    model.to(device)
+    _sync(device)
+    took = time.perf_counter() - started
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return took
+
+
+def main() -> int:
+    parser = h.parser(__doc__, deadline_s=600)
+    parser.add_argument("--trials", type=int, default=None)
+    args = h.pick(parser.parse_args(), trials=(7, 3))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    host_model = load_encoder(torch.device("cpu"))
+    nbytes = sum(t.numel() * t.element_size()
+                 for t in [*host_model.parameters(), *host_model.buffers()])
+    snapshot = DeviceSnapshot(_Holder(copy.deepcopy(host_model)))
+    ember_s, peer_s = [], []
+    for _ in range(args.trials):
+        move = snapshot.to_device()
+        assert move is not None
+        ember_s.append(move.seconds)
+        snapshot.park()
+        peer_s.append(_peer_once(host_model, device))
+    ember, peer = statistics.median(ember_s), statistics.median(peer_s)
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "pinned": torch.cuda.is_available(), "bytes": nbytes, "trials": args.trials,
+        "ember_median_s": ember, "peer_median_s": peer,
+        "ember_gb_per_s": nbytes / ember / 1e9, "peer_gb_per_s": nbytes / peer / 1e9,
+        "peer_over_ember": peer / ember,
+        "raw": {"ember_s": ember_s, "peer_s": peer_s},
+    }
+    print(f"device={summary['device']} pinned={summary['pinned']} bytes={nbytes}", flush=True)
+    h.print_table([["", "median s", "GB/s"],
+                   ["Ember (pinned, staged)", h.fmt(ember, ".4f"),
+                    h.fmt(summary["ember_gb_per_s"], ".2f")],
+                   ["module.to(device)", h.fmt(peer, ".4f"),
+                    h.fmt(summary["peer_gb_per_s"], ".2f")]])
+    h.write_results("device_move", summary, short=args.short)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
