@@ -6,9 +6,8 @@ device through two pinned staging buffers on the first request at zero
 ``model.to(device)`` from ordinary (pageable) host tensors. Both move the MiniLM flagship's
 encoder (90 MB of float32); trials alternate; medians and GB/s reported.
 
-Meant for a machine with a GPU. Without CUDA the device is the CPU, pinning is off and both
-sides are plain memory copies: the run then says so in ``device`` and its figures describe
-memory bandwidth, not a host-to-device link.
+Needs a CUDA device: without one there is no host-to-device link to measure (``.to("cpu")``
+of a CPU model copies nothing), so the script says so and writes no results.
 
 Usage:
     .venv/bin/python bench/device_move.py [--short] [--trials 7]
@@ -55,7 +54,10 @@ def main() -> int:
     parser = h.parser(__doc__, deadline_s=600)
     parser.add_argument("--trials", type=int, default=None)
     args = h.pick(parser.parse_args(), trials=(7, 3))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        print("no CUDA device here: nothing to measure, no results written", flush=True)
+        return 0
+    device = torch.device("cuda")
     host_model = load_encoder(torch.device("cpu"))
     nbytes = sum(t.numel() * t.element_size()
                  for t in [*host_model.parameters(), *host_model.buffers()])
@@ -69,8 +71,8 @@ def main() -> int:
         peer_s.append(_peer_once(host_model, device))
     ember, peer = statistics.median(ember_s), statistics.median(peer_s)
     summary: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "pinned": torch.cuda.is_available(), "bytes": nbytes, "trials": args.trials,
+        "device": torch.cuda.get_device_name(device), "pinned": True, "bytes": nbytes,
+        "trials": args.trials,
         "ember_median_s": ember, "peer_median_s": peer,
         "ember_gb_per_s": nbytes / ember / 1e9, "peer_gb_per_s": nbytes / peer / 1e9,
         "peer_over_ember": peer / ember,
