@@ -42,7 +42,7 @@ class Sample:
     """One cold request: client seconds, and where the time went."""
 
     total_s: float
-    path: str | None = None  # Ember: pool or replica
+    path: str | None = None  # Ember: pool, pool-warm or replica
     phases_s: dict[str, float] = field(default_factory=dict)  # Ember header, with "total"
     marks_s: dict[str, float] = field(default_factory=dict)  # plain: after the send
 
@@ -63,7 +63,7 @@ def ember_trial(v: m.EmberVariant, base_url: str, deadline: h.Deadline, res: Res
     res.vectors.setdefault(v.key, reply.json()[0]["embedding"])
     shown = " ".join(f"{k}={phases.get(k, 0.0) * 1000:.0f}" for k in PHASES)
     print(f"  cold ({v.key}) {v.label:<20} {took:7.3f}s  path={path} {shown} [ms]", flush=True)
-    if path == "pool":
+    if path in ("pool", "pool-warm"):
         _serving.wait_woken(v.app, v.deployment, deadline)
 
 

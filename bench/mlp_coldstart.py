@@ -71,7 +71,7 @@ TARGETS = (EMBER, DEFAULT, SHRUNK)
 @dataclass
 class Samples:
     cold_s: list[float] = field(default_factory=list)
-    paths: list[str | None] = field(default_factory=list)  # Ember: pool or replica
+    paths: list[str | None] = field(default_factory=list)  # Ember: pool, pool-warm or replica
     scale_up_seen_s: list[float | None] = field(default_factory=list)
     marks_s: list[dict[str, float]] = field(default_factory=list)
     warm_ms: list[float] = field(default_factory=list)
@@ -182,7 +182,7 @@ def cold_trial(target: Target, base_url: str, deadline: h.Deadline, out: Samples
     out.scale_up_seen_s.append(None if probe.seen_at is None else probe.seen_at - sent_wall)
     out.marks_s.append(_serving.marks_since(target.deployment, sent_wall))
     print(f"  cold {target.label:<18} {took:7.3f}s  path={path}", flush=True)
-    if path == "pool":  # let the own replica the request woke start, then scale down
+    if path in ("pool", "pool-warm"):  # let the own replica it woke start, then scale down
         _serving.wait_woken(target.app, target.deployment, deadline)
 
 

@@ -74,12 +74,13 @@ def _add_options(parser: Any) -> None:
                        help="p95 latency of the warm requests (default 2000)")
     group.add_argument("--budget-failures", type=int, default=0,
                        help="failed requests allowed (default 0)")
-    group.add_argument("--expect-path", choices=("any", "pool", "replica-warm-runtime"),
+    group.add_argument("--expect-path",
+                       choices=("any", "pool", "pool-warm", "replica-warm-runtime"),
                        default="any", help="how every cold request must have been served")
 
 
 def cold_path(header: str | None) -> str:
-    """``pool``, ``replica-warm-runtime``, ``replica-fresh-process`` or ``none``."""
+    """``pool``, ``pool-warm``, ``replica-warm-runtime``, ``replica-fresh-process`` or ``none``."""
     if not header:
         return "none"
     fields = dict(part.split("=", 1) for part in header.split(";") if "=" in part)

@@ -15,8 +15,11 @@ in the ``X-Ember-Cold-Start`` header (milliseconds)::
 * ``warmup``: its ``warmup()``, run before the replica reports ready;
 * ``device``: only for a GPU deployment served by the GPU pool, the move of its model from
   pinned host memory to the device (``device_snapshot.py``); absent when nothing moved;
-* ``path``: ``replica`` (the deployment's own replica started) or ``pool`` (a pre-warmed
-  pool replica served it while the deployment's own replica started).
+* ``path``: ``replica`` (the deployment's own replica started), ``pool`` (a pre-warmed
+  pool replica built the model for it while the deployment's own replica started) or
+  ``pool-warm``: the pool already held the constructed model (``preload=True``, or built
+  for an earlier request). That is a warm hit in a shared process, not a cold start; it is
+  reported beside the cold paths because the request still met zero replicas.
 """
 
 from __future__ import annotations
@@ -29,6 +32,23 @@ from dataclasses import asdict, dataclass, field
 IMPORTED_AT = time.time()
 
 PHASES = ("queue", "start", "import", "weights", "warmup")
+
+
+#: ``path`` of a request the warm pool answered with a model it had built before the request.
+POOL_WARM = "pool-warm"
+
+
+def pool_path(arrived_at: float, timeline: ReplicaTimeline | None) -> str:
+    """``pool-warm`` if the pool's model was ready before the request arrived, else ``pool``.
+
+    Example:
+        >>> t = ReplicaTimeline(process_started_at=1.0, imported_at=2.0, init_started_at=3.0,
+        ...                     ready_at=4.0, prewarmed=True)
+        >>> pool_path(5.0, t), pool_path(3.5, t)
+        ('pool-warm', 'pool')
+    """
+    ready = timeline is not None and 0 < timeline.ready_at <= arrived_at
+    return POOL_WARM if ready else "pool"
 
 
 def process_started_at() -> float:

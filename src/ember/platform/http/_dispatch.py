@@ -208,8 +208,9 @@ class Dispatcher:
                 demand.cancel()  # type: ignore[no-untyped-call]
         if answer.busy:
             return None
-        report = coldstart.report(arrived, time.time(), ReplicaTimeline(**answer.timeline or {}),
-                                  "pool")
+        timeline = ReplicaTimeline(**answer.timeline) if answer.timeline else None
+        report = coldstart.report(arrived, time.time(), timeline,
+                                  coldstart.pool_path(arrived, timeline))
         self.tracker.record_cold(name, report)
         return Outcome(answer.value, report)
 
