@@ -346,3 +346,37 @@ def test_ember_error_raised_on_purpose_keeps_its_message() -> None:
              .call(_route(Echo), BODY, "req-12"))
     assert type(info.value).__name__ == "InvalidBody"
     assert str(info.value) == "invalid body: text must not be empty"
+
+
+def test_a_burst_of_cold_requests_waits_for_the_new_replica_with_one_poll_between_them() -> None:
+    async def slow_echo(attr: str, body: Text) -> dict[str, str]:
+        await asyncio.sleep(0.2)  # still running when the replica shows up
+        return {"echo": body.text}
+
+    dispatcher = _dispatcher({"Echo": FakeHandle(slow_echo)}, warm=False)
+    polls = 0
+    poll = dispatcher._poll_placed
+
+    async def counted(name: str) -> None:
+        nonlocal polls
+        polls += 1
+        await poll(name)
+
+    dispatcher._poll_placed = counted  # type: ignore[method-assign]
+
+    async def burst() -> list[Outcome]:
+        async def replica_shows_up() -> None:
+            await asyncio.sleep(0.05)
+            dispatcher.tracker.loads["Echo"].running = 1
+
+        shows_up = asyncio.ensure_future(replica_shows_up())
+        outcomes = await asyncio.gather(*(dispatcher.call(_route(Echo), BODY, f"burst-{i}")
+                                          for i in range(10)))
+        await shows_up
+        return list(outcomes)
+
+    outcomes = _run(burst())
+    assert polls == 1
+    # Each read its replica's timeline while it ran: every phase is there.
+    assert all(o.cold is not None and o.cold.path == "replica" and "weights" in o.cold.phases
+               for o in outcomes)

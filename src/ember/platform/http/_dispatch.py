@@ -111,6 +111,7 @@ class Dispatcher:
                 self._pool_of.update(dict.fromkeys(names, call))
         self._gpu_pooled = gpu_pool_names if gpu_pool is not None else frozenset()
         self._woken_at: dict[str, float] = {}
+        self._placing: dict[str, asyncio.Future[None]] = {}
         self.tracker = tracker
 
     def timeout_for(self, route: RouteSpec) -> float:
@@ -229,19 +230,45 @@ class Dispatcher:
     async def _fetch_timeline(self, name: str) -> ReplicaTimeline | None:
         try:
             async with asyncio.timeout(self._options[name].request_timeout_s):
-                while self.no_own_replica(name):
-                    await asyncio.sleep(_PLACED_POLL_S)
-                ping = self._handles[name].options(method_name="ember_ping").remote()
-                return ReplicaTimeline(**await _resolve(ping))
+                await asyncio.shield(self._placed(name))
+        except Exception:  # never placed in time: the report asks the replica directly
+            return None
+        return await self._ping_timeline(name)
+
+    async def _ping_timeline(self, name: str) -> ReplicaTimeline | None:
+        try:
+            ping = self._handles[name].options(method_name="ember_ping").remote()
+            return ReplicaTimeline(**await _resolve(ping))
         except Exception:  # phases are best effort; the answer itself is what matters
             logger.debug("no replica timeline for %s", name, exc_info=True)
             return None
+
+    def _placed(self, name: str) -> asyncio.Future[None]:
+        """Resolved once ``name``'s router has a replica: one poller per cold deployment,
+        however many cold requests wait on it (a burst must not spin one loop each)."""
+        waiting = self._placing.get(name)
+        if waiting is None or waiting.done():
+            waiting = asyncio.ensure_future(self._poll_placed(name))
+            self._placing[name] = waiting
+        return waiting
+
+    async def _poll_placed(self, name: str) -> None:
+        # Bounded like the requests waiting on it; the next cold request starts a new one.
+        async with asyncio.timeout(self._options[name].request_timeout_s):
+            while self.no_own_replica(name):
+                await asyncio.sleep(_PLACED_POLL_S)
 
     async def _replica_report(self, name: str, arrived: float,
                               timeline: asyncio.Task[ReplicaTimeline | None]
                               ) -> ColdStartReport:
         """Phases of a cold request served by the deployment's own (new) replica."""
         answered = time.time()
+        placed = self._placing.get(name)
+        if not timeline.done() and (placed is None or not placed.done()):
+            # The router has not said it has the replica (or cannot be read): it exists, since
+            # it answered, so ask it now.
+            timeline.cancel()
+            timeline = asyncio.ensure_future(self._ping_timeline(name))
         try:
             fetched = await asyncio.wait_for(asyncio.shield(timeline), _TIMELINE_TIMEOUT_S)
         except TimeoutError:
