@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from ember.cli import build_parser, main
-from ember.cli.serve import render_status
+from ember.cli.serve import parse_traffic, render_status
 from ember.errors import ConfigError
 from ember.loaders import LoaderConfig, list_snapshots, load
 from ember.platform.targets import load_app
@@ -68,3 +68,20 @@ def test_cache_warm_records_a_snapshot(tmp_path: Path) -> None:
     assert snapshot.code_version == "v1" and snapshot.url == weights.as_uri()
     assert torch.equal(load(weights.as_uri(), config=LoaderConfig(cache_dir=cache))["w"],
                        torch.arange(6, dtype=torch.float32))
+
+
+def test_traffic_pairs_become_weights_and_a_malformed_pair_is_refused() -> None:
+    assert parse_traffic(["1=90", "2=10"]) == {"1": 90, "2": 10}
+    assert parse_traffic([]) == {}
+    for bad in ("1:90", "=10", "2=", "2=ten"):
+        with pytest.raises(ValueError, match="VERSION=PERCENT"):
+            parse_traffic([bad])
+
+
+def test_status_names_each_version_with_its_share_of_the_traffic() -> None:
+    row = {"replicas_running": 1, "replicas_starting": 0, "ongoing": 0, "queued": 0,
+           "floor": 1, "last_cold_start": None}
+    text = render_status({"app": "a", "ready": True, "deployments": [
+        {**row, "deployment": "Embed@2", "group": "Embed", "version": "2", "weight": 10},
+        {**row, "deployment": "Other", "group": "Other", "version": "1", "weight": 100}]})
+    assert "Embed@2 (v2, 10%)" in text and "Other (" not in text

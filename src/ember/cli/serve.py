@@ -87,7 +87,10 @@ def render_status(status: dict[str, Any]) -> str:
     rows = [("DEPLOYMENT", "RUNNING", "STARTING", "ONGOING", "QUEUED", "FLOOR",
              "LAST COLD START (ms)")]
     for d in status["deployments"]:
-        rows.append((d["deployment"], str(d["replicas_running"]), str(d["replicas_starting"]),
+        name = d["deployment"]
+        if d.get("group", name) != name:  # a version: its label and share of the traffic
+            name = f"{name} (v{d['version']}, {d['weight']}%)"
+        rows.append((name, str(d["replicas_running"]), str(d["replicas_starting"]),
                      str(d["ongoing"]), str(d["queued"]), str(d["floor"]),
                      _cold_text(d.get("last_cold_start"))))
     ready = "ready" if status.get("ready") else "not ready"
@@ -149,8 +152,44 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_traffic(pairs: Sequence[str]) -> dict[str, int]:
+    """``["1=90", "2=10"]`` -> ``{"1": 90, "2": 10}``; the server checks versions and sum.
+
+    Raises:
+        ValueError: a pair is not ``VERSION=PERCENT``.
+    """
+    weights: dict[str, int] = {}
+    for pair in pairs:
+        version, sep, percent = pair.partition("=")
+        if not sep or not version or not percent.strip().lstrip("-").isdigit():
+            raise ValueError(f"{pair!r} is not VERSION=PERCENT, e.g. 2=10")
+        weights[version] = int(percent)
+    return weights
+
+
+def cmd_traffic(args: argparse.Namespace) -> int:
+    url = f"{args.url.rstrip('/')}/-/traffic/{args.deployment}"
+    try:
+        weights = parse_traffic(args.weights)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        reply = (httpx.put(url, json=weights, headers=_admin_headers(), timeout=30) if weights
+                 else httpx.get(url, headers=_admin_headers(), timeout=30))
+    except httpx.HTTPError as exc:
+        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if reply.status_code != 200:
+        print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
+        return 1
+    shares = ", ".join(f"v{v} {w}%" for v, w in reply.json()["weights"].items())
+    print(f"{args.deployment}: {shares}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``run``, ``status``, ``warm`` and ``plan`` to the main parser's subcommands."""
+    """Add ``run``, ``status``, ``warm``, ``traffic`` and ``plan`` to the subcommands."""
     run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM")
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
@@ -168,6 +207,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     warm.add_argument("--off", action="store_true", help="end the lease now")
     warm.add_argument("--url", default=url)
     warm.set_defaults(func=cmd_warm)
+    traffic = sub.add_parser("traffic", help="show or set the split between versions")
+    traffic.add_argument("deployment")
+    traffic.add_argument("weights", nargs="*", help="VERSION=PERCENT pairs, e.g. 1=90 2=10")
+    traffic.add_argument("--url", default=url)
+    traffic.set_defaults(func=cmd_traffic)
     plan = sub.add_parser("plan", help="does each deployment meet its cold-start budget?")
     plan.add_argument("--url", default=url)
     plan.set_defaults(func=cmd_plan)

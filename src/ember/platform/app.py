@@ -68,14 +68,26 @@ class App:
         self.specs: tuple[DeploymentSpec, ...] = tuple(
             {spec.name: spec for spec in [*self.served, *stages]}.values()
         )
+        #: Every served deployment by the name callers know, its versions in listed order:
+        #: the first is stable and gets all traffic until told otherwise.
+        self.versions: dict[str, tuple[str, ...]] = {}
+        for spec in self.served:
+            self.versions[spec.group] = (*self.versions.get(spec.group, ()), spec.name)
         self._check_unique(stages)
+        self._check_versions()
         for protocol in self.protocols:
             protocol.validate(self)
 
     def routes(self) -> Iterator[RouteSpec]:
-        """Every HTTP route: those of listed deployments, then pipelines', in order."""
+        """Every HTTP route: those of listed deployments, then pipelines', in order.
+
+        A versioned deployment's routes are its stable version's; which version serves a
+        request is decided per request (``control/traffic.py``).
+        """
+        stable = {names[0] for names in self.versions.values()}
         for spec in self.served:
-            yield from (r for r in spec.routes if r.http_servable)
+            if spec.name in stable:
+                yield from (r for r in spec.routes if r.http_servable)
         for pipe in self.pipelines:
             yield pipe.route_spec()
 
@@ -119,6 +131,21 @@ class App:
                     f"{r.http_method} {r.path} is served by both {seen[key]} and {r.deployment}"
                 )
             seen[key] = r.deployment
+
+    def _check_versions(self) -> None:
+        specs = {spec.name: spec for spec in self.served}
+        for group, names in self.versions.items():
+            if len(names) == 1:
+                continue
+            unversioned = [n for n in names if specs[n].options.version is None]
+            if unversioned:
+                raise ConfigError(f"{group!r} is listed more than once: give each class a "
+                                  f"version, e.g. @ember.deployment(name={group!r}, version='2')")
+            shapes = {n: sorted((r.http_method, r.path, r.attr) for r in specs[n].routes)
+                      for n in names}
+            if len({tuple(shape) for shape in shapes.values()}) > 1:
+                raise ConfigError(f"the versions of {group!r} must serve the same routes: "
+                                  + "; ".join(f"{n}: {shapes[n]}" for n in names))
 
     def __repr__(self) -> str:
         return f"App(name={self.name!r}, deployments={[s.name for s in self.specs]})"

@@ -43,6 +43,7 @@ class DeploymentKwargs(TypedDict, total=False):
     """
 
     name: str | None
+    version: str | None
     route: str | None
     warm_floor: int
     max_replicas: int
@@ -78,6 +79,10 @@ class DeploymentOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str | None = Field(default=None, description="Deployment name; default: class name.")
+    version: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$",
+        description="Version label; classes with one name are versions of one deployment.",
+    )
     route: str | None = Field(default=None, description="HTTP path of the handler, e.g. '/embed'.")
     warm_floor: NonNegativeInt = Field(default=0, description="Replicas kept warm; 0 = to zero.")
     max_replicas: PositiveInt = 4

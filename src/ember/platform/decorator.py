@@ -77,6 +77,13 @@ class DeploymentSpec:
     name: str
     options: DeploymentOptions
     routes: tuple[RouteSpec, ...] = field(default_factory=tuple)
+    #: The name callers know; ``name`` is ``group@version`` for a versioned class.
+    group: str = ""
+
+    @property
+    def version(self) -> str:
+        """The version label; "1" for a class declared without one."""
+        return self.options.version or "1"
 
     @property
     def has_setup(self) -> bool:
@@ -173,28 +180,32 @@ def _apply(cls: Any, options: dict[str, Any]) -> Any:
         opts = DeploymentOptions(**options)
     except ValidationError as exc:
         raise ConfigError(_first_error(exc, cls.__name__)) from None
-    name = opts.name or cls.__name__
-    if not NAME_PATTERN.match(name):
-        raise ConfigError(f"class name {name!r} is not a valid deployment name; pass name='...'")
+    group = opts.name or cls.__name__
+    if not NAME_PATTERN.match(group):
+        raise ConfigError(f"class name {group!r} is not a valid deployment name; pass name='...'")
+    # Each version is a Serve deployment of its own, with its own replicas.
+    name = group if opts.version is None else f"{group}@{opts.version}"
     setup = getattr(cls, "setup", None)
     if setup is not None and (not callable(setup) or _required_params(setup) > 1):
         raise ConfigError(f"{cls.__name__}.setup must be a method taking only self")
-    routes = _collect_routes(cls, name, opts)
+    routes = _collect_routes(cls, name, opts, group)
     if not routes:
         raise ConfigError(
             f"{cls.__name__} has nothing to serve: define __call__(self, body) or mark a method"
             " with @ember.route('/path')"
         )
     _check_unique_paths(routes)
-    setattr(cls, _SPEC_ATTR, DeploymentSpec(cls=cls, name=name, options=opts, routes=routes))
+    setattr(cls, _SPEC_ATTR, DeploymentSpec(cls=cls, name=name, options=opts, routes=routes,
+                                            group=group))
     return cls
 
 
-def _collect_routes(cls: type, name: str, opts: DeploymentOptions) -> tuple[RouteSpec, ...]:
+def _collect_routes(cls: type, name: str, opts: DeploymentOptions,
+                    group: str) -> tuple[RouteSpec, ...]:
     routes: list[RouteSpec] = []
     call = cls.__dict__.get("__call__")
     if call is not None:
-        path = opts.route or f"/{name.lower()}"
+        path = opts.route or f"/{group.lower()}"
         routes.append(_route_spec(cls, "__call__", call, path, "POST", name))
     elif opts.route is not None:
         raise ConfigError(f"route={opts.route!r} needs {cls.__name__}.__call__ to serve it")

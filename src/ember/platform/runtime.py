@@ -112,6 +112,7 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         "pool_names": frozenset(s.name for s in app.pool_specs()),
         "gpu_pool": _pool_deployment(app, gpu=True),
         "gpu_pool_names": frozenset(s.name for s in app.pool_specs(gpu=True)),
+        "versions": app.versions, "labels": {s.name: s.version for s in app.served},
         # Read where the operator set them; only key digests travel to the edges.
         "keys": ApiKeys.from_env(), "limiter": RateLimiter.from_env(),
     }

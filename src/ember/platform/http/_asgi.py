@@ -83,25 +83,33 @@ def error_response(err: EmberError, request_id: str, **extra: Any) -> JSONRespon
     return JSONResponse(error_body(err, request_id, **extra), err.status_code, err.headers())
 
 
-#: The cold-start report of the request being answered, for routes (protocol adapters)
-#: whose handlers return only a value; :class:`ColdStartHeaderMiddleware` sends it.
-_COLD_REPORT: ContextVar[list[str] | None] = ContextVar("ember_cold_report", default=None)
+#: Headers the response to the request being answered must carry, for routes whose handlers
+#: return only a value (protocol adapters) and for errors raised after the choice was made;
+#: :class:`ColdStartHeaderMiddleware` sends them.
+_NOTED: ContextVar[dict[str, str] | None] = ContextVar("ember_noted_headers", default=None)
 COLD_START_HEADER = "X-Ember-Cold-Start"
+
+
+def note_header(name: str, value: str) -> None:
+    """Have this request's response carry ``name: value`` (the first value noted wins)."""
+    box = _NOTED.get()
+    if box is not None:
+        box.setdefault(name, value)
 
 
 def note_cold_start(header_value: str) -> None:
     """Record that this request met a cold start; its response will carry the header."""
-    box = _COLD_REPORT.get()
-    if box is not None and not box:
-        box.append(header_value)
+    note_header(COLD_START_HEADER, header_value)
 
 
 class ColdStartHeaderMiddleware:
-    """Add ``X-Ember-Cold-Start`` to any response whose request met a cold start.
+    """Add the noted headers (``X-Ember-Cold-Start``, ``X-Ember-Version``) to a response.
 
-    Native routes set the header themselves; protocol routes (OpenAI, Open Inference) call
-    deployments through the gateway, which notes the report here. Pure ASGI: one context
-    variable per request and a look at the response's first message, nothing buffered.
+    Native routes set the cold-start header themselves; protocol routes (OpenAI, Open
+    Inference) call deployments through the gateway, which notes the report here, and a
+    version is noted before the call, so an error response names it too. Pure ASGI: one
+    context variable per request and a look at the response's first message, nothing
+    buffered.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -111,22 +119,23 @@ class ColdStartHeaderMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        box: list[str] = []
-        token = _COLD_REPORT.set(box)
+        box: dict[str, str] = {}
+        token = _NOTED.set(box)
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start" and box:
                 headers = list(message.get("headers", []))
-                name = COLD_START_HEADER.lower().encode()
-                if all(key.lower() != name for key, _ in headers):
-                    headers.append((name, box[0].encode("latin-1")))
+                present = {key.lower() for key, _ in headers}
+                headers += [(name.lower().encode(), value.encode("latin-1"))
+                            for name, value in box.items()
+                            if name.lower().encode() not in present]
                 message = {**message, "headers": headers}
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_header)
         finally:
-            _COLD_REPORT.reset(token)
+            _NOTED.reset(token)
 
 
 class GuardMiddleware:

@@ -40,7 +40,7 @@ class Metrics:
         self.latency = Histogram(
             "ember_request_duration_seconds",
             "End-to-end request latency at the ingress",
-            ["deployment", "route", "status"],
+            ["deployment", "route", "status", "version"],
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )

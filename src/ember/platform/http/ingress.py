@@ -41,6 +41,7 @@ from ember.platform.http._asgi import (
     error_body,
     install_error_handlers,
     note_cold_start,
+    note_header,
     request_id_of,
 )
 from ember.platform.http._dispatch import Dispatcher
@@ -54,6 +55,7 @@ from ember.platform.http._strict_json import (
 from ember.platform.http.auth import ApiKeys, AuthMiddleware
 from ember.platform.http.protocols import Protocol
 from ember.platform.http.ratelimit import RateLimiter, RateLimitMiddleware
+from ember.platform.http.versions import VERSION_HEADER, Versions, add_traffic_routes
 
 logger = logging.getLogger("ember.ingress")
 
@@ -73,7 +75,9 @@ class IngressState:
                  pool_names: frozenset[str] = frozenset(),
                  keys: ApiKeys | None = None, limiter: RateLimiter | None = None, *,
                  gpu_pool: DeploymentHandle[Any] | None = None,
-                 gpu_pool_names: frozenset[str] = frozenset()) -> None:
+                 gpu_pool_names: frozenset[str] = frozenset(),
+                 versions: dict[str, tuple[str, ...]] | None = None,
+                 labels: dict[str, str] | None = None) -> None:
         self.app_name = app_name
         # Read in the process that deploys (where the operator set them); only key digests
         # travel to the ingress.
@@ -95,6 +99,9 @@ class IngressState:
         self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
         self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
         self._deployment_of = {r.path: r.deployment for r in routes}
+        self.versions = Versions(app_name, versions or {r.deployment: (r.deployment,)
+                                                        for r in routes if not r.chain},
+                                 labels or {})
 
     def limit_for(self, path: str) -> int:
         return self._limits.get(path, self._default_limit)
@@ -106,7 +113,8 @@ class IngressState:
         return {
             "app": self.app_name,
             "ready": self.tracker.ready(),
-            "deployments": [load.as_dict() for load in self.tracker.loads.values()],
+            "deployments": [{**load.as_dict(), **self.versions.row(load.name)}
+                            for load in self.tracker.loads.values()],
             # Which edge answered, and how many run: what an operator (or a chaos test)
             # needs to see the edges come back.
             "edges": {"running": self.tracker.edges_running, "pid": os.getpid()},
@@ -135,6 +143,7 @@ class IngressState:
         if now - self._published_at < _PUBLISH_EVERY_S:
             return
         self._published_at = now
+        await self.versions.refresh()
         if self.tracker.pool_expected or self.tracker.gpu_pool_expected:
             failures = await asyncio.to_thread(pool.read_failures, self.app_name)
             self.tracker.update_pool_failures(failures)
@@ -267,10 +276,12 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
             return _sse(dispatcher.stream(route, body, request_id_of(request)),
                         request_id_of(request))
         started = time.monotonic()
-        status = "200"
+        status, chosen, label = "200", route, "1"
         try:
+            chosen, label = state.versions.route(route, request.headers)
+            note_header(VERSION_HEADER, label)  # on the answer, and on an error from it
             one = single is not None and not isinstance(body, list)
-            outcome = await dispatcher.call(route, [body] if one else body,
+            outcome = await dispatcher.call(chosen, [body] if one else body,
                                             request_id_of(request))
             if outcome.cold is not None:
                 response.headers[COLD_START_HEADER] = outcome.cold.header()
@@ -279,10 +290,10 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
             status = str(err.status_code)
             reason = {503: "queue_full", 504: "timeout"}.get(err.status_code)
             if reason:
-                metrics.rejected.labels(route.deployment, reason).inc()
+                metrics.rejected.labels(chosen.deployment, reason).inc()
             raise
         finally:
-            metrics.latency.labels(route.deployment, route.path, status).observe(
+            metrics.latency.labels(chosen.deployment, route.path, status, label).observe(
                 time.monotonic() - started)
 
     params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
@@ -405,6 +416,7 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
     for path, fn in routes.items():
         app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)
     _add_lease_routes(app, state)
+    add_traffic_routes(app, state.versions)
 
 
 def _check_lease(state: IngressState, deployment: str, seconds: float, floor: int) -> None:
