@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from apps import versions
 from serving import ServeApp
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.cluster
 def url(serve_app: ServeApp) -> Iterator[str]:
     with serve_app(versions.app) as base:
         yield base
-        httpx.put(f"{base}/-/traffic/Embed", json={"1": 100}, timeout=10)
 
 
 def _set(url: str, weights: dict[str, int]) -> httpx.Response:
@@ -84,3 +84,57 @@ def test_a_pin_and_a_session_keep_their_version(url: str) -> None:
     unknown = httpx.post(f"{url}/embed", json={"text": "x"}, headers={"X-Ember-Version": "9"},
                          timeout=10)
     assert unknown.status_code == 400 and "has versions 1, 2" in unknown.text
+
+
+def _scraped(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()))
+
+
+def test_shadowed_requests_are_compared_on_the_candidate_and_callers_see_stable(
+    url: str,
+) -> None:
+    assert _set(url, {"1": 100}).status_code == 200
+    wait_for(lambda: _every_edge_has(url, 0), 15, what="every edge back on stable")
+    for bad, param in (({"to": "9", "percent": 20}, "to"), ({"to": "2", "percent": 150},
+                                                             "percent")):
+        reply = httpx.put(f"{url}/-/shadow/Embed", json=bad, timeout=10)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+    reply = httpx.put(f"{url}/-/shadow/Embed", json={"to": "2", "percent": 100}, timeout=10)
+    assert reply.status_code == 200
+    wait_for(lambda: all(httpx.get(f"{url}/-/shadow/Embed", timeout=10).json()["shadow"]
+                         ["percent"] == 100 for _ in range(10)), 15, what="every edge shadowing")
+    before = _scraped(url, "ember_shadow_distance_count", deployment="Embed@2")
+    before_sum = _scraped(url, "ember_shadow_distance_sum", deployment="Embed@2")
+    for i in range(30):
+        reply = httpx.post(f"{url}/score", json={"text": str(i)}, timeout=30)
+        assert reply.status_code == 200 and reply.json() == [1.0, 0.0]
+        assert reply.headers["x-ember-version"] == "1"
+    # Every copy ran on version 2, answered 200 like the caller's, and was exactly 1.0 away.
+    wait_for(lambda: _scraped(url, "ember_shadow_distance_count",
+                              deployment="Embed@2") - before == 30, 15,
+             what="30 shadow comparisons in the metrics")
+    assert _scraped(url, "ember_shadow_distance_sum", deployment="Embed@2") - before_sum == 30.0
+    assert _scraped(url, "ember_shadow_requests_total", deployment="Embed@2", version="2",
+                    outcome="status_differs") == 0
+    httpx.put(f"{url}/-/shadow/Embed", json={"percent": 0}, timeout=10)
+
+
+def test_the_cli_sets_and_reads_the_split_and_the_shadow(
+    url: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ember.cli import main
+
+    assert main(["traffic", "Embed", "1=80", "2=20", "--url", url]) == 0
+    assert main(["traffic", "Embed", "--url", url]) == 0
+    assert main(["traffic", "Embed", "1=80", "2=21", "--url", url]) == 1  # refused: 101
+    assert main(["shadow", "Embed", "--to", "2", "--percent", "5", "--url", url]) == 0
+    assert main(["shadow", "Embed", "--off", "--url", url]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["Embed: v1 80%, v2 20%", "Embed: v1 80%, v2 20%",
+                                    "Embed: 5% copied to v2", "Embed: no shadow traffic"]
+    assert "add up to 101, not 100" in out.err
+    assert _set(url, {"1": 100}).status_code == 200

@@ -188,8 +188,30 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shadow(args: argparse.Namespace) -> int:
+    url = f"{args.url.rstrip('/')}/-/shadow/{args.deployment}"
+    body: dict[str, Any] | None = None
+    if args.off:
+        body = {"percent": 0}
+    elif args.to is not None:
+        body = {"to": args.to, "percent": args.percent}
+    try:
+        reply = (httpx.put(url, json=body, headers=_admin_headers(), timeout=30) if body
+                 else httpx.get(url, headers=_admin_headers(), timeout=30))
+    except httpx.HTTPError as exc:
+        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if reply.status_code != 200:
+        print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
+        return 1
+    shadow = reply.json()["shadow"]
+    print(f"{args.deployment}: " + (f"{shadow['percent']}% copied to v{shadow['to']}"
+                                     if shadow["percent"] else "no shadow traffic"))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``run``, ``status``, ``warm``, ``traffic`` and ``plan`` to the subcommands."""
+    """Add ``run``, ``status``, ``warm``, ``traffic``, ``shadow`` and ``plan``."""
     run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM")
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
@@ -212,6 +234,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     traffic.add_argument("weights", nargs="*", help="VERSION=PERCENT pairs, e.g. 1=90 2=10")
     traffic.add_argument("--url", default=url)
     traffic.set_defaults(func=cmd_traffic)
+    shadow = sub.add_parser("shadow", help="show, set or end shadow copies to a version")
+    shadow.add_argument("deployment")
+    shadow.add_argument("--to", default=None, help="the version that gets the copies")
+    shadow.add_argument("--percent", type=int, default=10, help="share of requests copied")
+    shadow.add_argument("--off", action="store_true", help="stop copying")
+    shadow.add_argument("--url", default=url)
+    shadow.set_defaults(func=cmd_shadow)
     plan = sub.add_parser("plan", help="does each deployment meet its cold-start budget?")
     plan.add_argument("--url", default=url)
     plan.set_defaults(func=cmd_plan)

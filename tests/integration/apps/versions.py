@@ -18,6 +18,10 @@ def _version(label: str) -> type:
         async def __call__(self, body: Text) -> dict[str, str]:
             return {"version": label, "text": body.text}
 
+        @ember.route("/score")
+        async def score(self, body: Text) -> list[float]:
+            return [float(label), 0.0]  # versions 1 and 2 are exactly 1.0 apart
+
     return Embed
 
 

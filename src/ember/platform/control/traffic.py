@@ -125,10 +125,11 @@ class Traffic:
 
 
 class TrafficStore:
-    """Weights in Ray's internal key-value store, one key per app."""
+    """Weights (or, with ``kind="shadow"``, shadow settings) in Ray's internal key-value
+    store, one key per app."""
 
-    def __init__(self, app: str) -> None:
-        self.key = f"traffic:{app}"
+    def __init__(self, app: str, kind: str = "traffic") -> None:
+        self.key = f"{kind}:{app}"
 
     def read(self) -> dict[str, Any]:
         from ray.experimental import internal_kv
@@ -140,8 +141,8 @@ class TrafficStore:
             return {}
         return value if isinstance(value, dict) else {}
 
-    def write(self, group: str, weights: Weights) -> None:
-        """Set ``group``'s weights, keeping the other deployments' as stored."""
+    def write(self, group: str, weights: Any) -> None:
+        """Set ``group``'s entry, keeping the other deployments' as stored."""
         from ray.experimental import internal_kv
 
         value = {**self.read(), group: weights}

@@ -50,6 +50,21 @@ class Metrics:
             ["deployment", "reason"],
             registry=r,
         )
+        self.shadow = Counter(
+            "ember_shadow_requests_total",
+            "Requests copied to a candidate version, by how its answer compared",
+            ["deployment", "version", "outcome"], registry=r,
+        )
+        self.shadow_latency_ratio = Histogram(
+            "ember_shadow_latency_ratio", "Candidate's latency over the served request's",
+            ["deployment", "version"], buckets=(0.25, 0.5, 0.8, 1, 1.25, 1.5, 2, 4, 8),
+            registry=r,
+        )
+        self.shadow_distance = Histogram(
+            "ember_shadow_distance", "Euclidean distance between candidate and served answers",
+            ["deployment", "version"], buckets=(0, 1e-6, 1e-4, 1e-3, 0.01, 0.1, 1, 10),
+            registry=r,
+        )
         self.cold_starts = Counter(
             "ember_cold_starts_total", "Requests that met zero running replicas",
             ["deployment", "path"], registry=r,

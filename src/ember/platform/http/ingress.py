@@ -276,16 +276,18 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
             return _sse(dispatcher.stream(route, body, request_id_of(request)),
                         request_id_of(request))
         started = time.monotonic()
-        status, chosen, label = "200", route, "1"
+        status, chosen, label, value, routed = "200", route, "1", None, False
+        one = single is not None and not isinstance(body, list)
+        payload = [body] if one else body
         try:
             chosen, label = state.versions.route(route, request.headers)
+            routed = True
             note_header(VERSION_HEADER, label)  # on the answer, and on an error from it
-            one = single is not None and not isinstance(body, list)
-            outcome = await dispatcher.call(chosen, [body] if one else body,
-                                            request_id_of(request))
+            outcome = await dispatcher.call(chosen, payload, request_id_of(request))
             if outcome.cold is not None:
                 response.headers[COLD_START_HEADER] = outcome.cold.header()
-            return outcome.value[0] if one else outcome.value
+            value = outcome.value
+            return value[0] if one else value
         except EmberError as err:
             status = str(err.status_code)
             reason = {503: "queue_full", 504: "timeout"}.get(err.status_code)
@@ -293,8 +295,12 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
                 metrics.rejected.labels(chosen.deployment, reason).inc()
             raise
         finally:
-            metrics.latency.labels(chosen.deployment, route.path, status, label).observe(
-                time.monotonic() - started)
+            took = time.monotonic() - started
+            metrics.latency.labels(chosen.deployment, route.path, status, label).observe(took)
+            copy = state.versions.shadow_route(route, label) if routed else None
+            if copy is not None:  # after the answer: the caller never waits for the copy
+                state.versions.shadow(dispatcher.call, metrics, copy, payload,
+                                      (status, value, took), request_id_of(request))
 
     params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
               inspect.Parameter("response", inspect.Parameter.KEYWORD_ONLY, annotation=Response)]
