@@ -68,6 +68,12 @@ def test_bad_weights_are_refused_and_change_nothing(url: str, weights: dict[str,
         "1": 100, "2": 0}
 
 
+def test_a_body_that_is_not_json_is_refused_with_400(url: str) -> None:
+    reply = httpx.put(f"{url}/-/traffic/Embed", content=b"{1: 90", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "MalformedJSON"
+
+
 def test_a_90_10_split_holds_within_3_points_over_2000_requests(url: str) -> None:
     assert _set(url, {"1": 90, "2": 10}).status_code == 200
     wait_for(lambda: _every_edge_has(url, 10), 15, what="every edge on the new weights")
@@ -129,6 +135,8 @@ def test_the_cli_sets_and_reads_the_split_and_the_shadow(
     from ember.cli import main
 
     assert main(["traffic", "Embed", "1=80", "2=20", "--url", url]) == 0
+    # The other edge takes the change within a second; the read may reach either.
+    wait_for(lambda: _every_edge_has(url, 20), 15, what="every edge on the new weights")
     assert main(["traffic", "Embed", "--url", url]) == 0
     assert main(["traffic", "Embed", "1=80", "2=21", "--url", url]) == 1  # refused: 101
     assert main(["shadow", "Embed", "--to", "2", "--percent", "5", "--url", url]) == 0

@@ -167,34 +167,10 @@ def parse_traffic(pairs: Sequence[str]) -> dict[str, int]:
     return weights
 
 
-def cmd_traffic(args: argparse.Namespace) -> int:
-    url = f"{args.url.rstrip('/')}/-/traffic/{args.deployment}"
-    try:
-        weights = parse_traffic(args.weights)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    try:
-        reply = (httpx.put(url, json=weights, headers=_admin_headers(), timeout=30) if weights
-                 else httpx.get(url, headers=_admin_headers(), timeout=30))
-    except httpx.HTTPError as exc:
-        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
-        return 2
-    if reply.status_code != 200:
-        print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
-        return 1
-    shares = ", ".join(f"v{v} {w}%" for v, w in reply.json()["weights"].items())
-    print(f"{args.deployment}: {shares}")
-    return 0
-
-
-def cmd_shadow(args: argparse.Namespace) -> int:
-    url = f"{args.url.rstrip('/')}/-/shadow/{args.deployment}"
-    body: dict[str, Any] | None = None
-    if args.off:
-        body = {"percent": 0}
-    elif args.to is not None:
-        body = {"to": args.to, "percent": args.percent}
+def _admin_json(args: argparse.Namespace, path: str, body: Any = None) -> dict[str, Any] | int:
+    """``PUT`` ``body`` to (or, without one, ``GET``) an admin route: its JSON answer, or the
+    exit code after saying what went wrong."""
+    url = f"{args.url.rstrip('/')}{path}"
     try:
         reply = (httpx.put(url, json=body, headers=_admin_headers(), timeout=30) if body
                  else httpx.get(url, headers=_admin_headers(), timeout=30))
@@ -204,7 +180,33 @@ def cmd_shadow(args: argparse.Namespace) -> int:
     if reply.status_code != 200:
         print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
         return 1
-    shadow = reply.json()["shadow"]
+    return dict(reply.json())
+
+
+def cmd_traffic(args: argparse.Namespace) -> int:
+    try:
+        weights = parse_traffic(args.weights)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    answer = _admin_json(args, f"/-/traffic/{args.deployment}", weights)
+    if isinstance(answer, int):
+        return answer
+    shares = ", ".join(f"v{v} {w}%" for v, w in answer["weights"].items())
+    print(f"{args.deployment}: {shares}")
+    return 0
+
+
+def cmd_shadow(args: argparse.Namespace) -> int:
+    body: dict[str, Any] | None = None
+    if args.off:
+        body = {"percent": 0}
+    elif args.to is not None:
+        body = {"to": args.to, "percent": args.percent}
+    answer = _admin_json(args, f"/-/shadow/{args.deployment}", body)
+    if isinstance(answer, int):
+        return answer
+    shadow = answer["shadow"]
     print(f"{args.deployment}: " + (f"{shadow['percent']}% copied to v{shadow['to']}"
                                      if shadow["percent"] else "no shadow traffic"))
     return 0

@@ -35,6 +35,9 @@ logger = logging.getLogger("ember.ingress")
 VERSION_HEADER = "X-Ember-Version"
 #: Request header whose value keeps a caller on one version while the weights stand.
 SESSION_HEADER = "X-Ember-Session"
+#: Copies in flight per edge beyond which requests are not copied: a slow candidate must
+#: not pile up work (and memory) on the edge.
+_MAX_COPIES = 64
 
 
 class Versions:
@@ -77,11 +80,11 @@ class Versions:
 
     def shadow_route(self, route: RouteSpec, served: str) -> RouteSpec | None:
         """The candidate's route if this request is sampled for a copy, else None."""
-        group = self._group_of.get(route.deployment)
-        shadow = self.shadows.get(group) if group is not None else None
-        if shadow is None or shadow.to == served or not shadow.sampled(random.random()):
+        group = self._group_of.get(route.deployment, "")
+        shadow = self.shadows.get(group)
+        if (shadow is None or shadow.to == served or len(self._copies) >= _MAX_COPIES
+                or not shadow.sampled(random.random())):
             return None
-        assert group is not None
         return dataclasses.replace(route, deployment=self._serve_name[(group, shadow.to)])
 
     def shadow(self, call: Any, metrics: Metrics, route: RouteSpec, body: Any,
@@ -159,6 +162,13 @@ class Versions:
             self.shadows[group] = shadow
 
 
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise MalformedJSON(str(exc)) from None
+
+
 def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
     """``GET`` and ``PUT /-/traffic/{deployment}`` and ``/-/shadow/{deployment}`` (admin
     routes, see the module doc)."""
@@ -171,12 +181,7 @@ def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
                              "weights": versions.traffic.weights[deployment]})
 
     async def write(deployment: str, request: Request) -> Response:
-        labels = labels_of(deployment)
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise MalformedJSON(str(exc)) from None
-        weights = parse_weights(deployment, labels, body)
+        weights = parse_weights(deployment, labels_of(deployment), await _json(request))
         await asyncio.to_thread(versions.store.write, deployment, weights)
         versions.traffic.update({deployment: weights})
         return JSONResponse({"deployment": deployment, "weights": weights})
@@ -196,12 +201,7 @@ def _add_shadow_routes(app: FastAPI, versions: Versions) -> None:
                              "shadow": shadow.as_dict() if shadow else {"percent": 0}})
 
     async def write_shadow(deployment: str, request: Request) -> Response:
-        labels = labels_of(deployment)
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise MalformedJSON(str(exc)) from None
-        shadow = parse_shadow(deployment, labels, body)
+        shadow = parse_shadow(deployment, labels_of(deployment), await _json(request))
         stored = shadow.as_dict() if shadow else {"percent": 0}
         await asyncio.to_thread(versions.shadow_store.write, deployment, stored)
         versions.set_shadow(deployment, shadow)
