@@ -146,3 +146,10 @@ def test_the_cli_sets_and_reads_the_split_and_the_shadow(
                                     "Embed: 5% copied to v2", "Embed: no shadow traffic"]
     assert "add up to 101, not 100" in out.err
     assert _set(url, {"1": 100}).status_code == 200
+    # The lease command shares the CLI's admin call: a version is a deployment to warm.
+    assert main(["warm", "Embed@2", "--for", "60", "--url", url]) == 0
+    assert main(["warm", "Embed@2", "--off", "--url", url]) == 0
+    assert main(["warm", "Nope", "--url", url]) == 1
+    warmed = capsys.readouterr().out.splitlines()
+    assert warmed[0].startswith("Embed@2: floor 1 until ") and warmed[1] == (
+        "Embed@2: lease ended")

@@ -129,21 +129,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    url = f"{args.url.rstrip('/')}/-/warm/{args.deployment}"
-    try:
-        if args.off:
-            reply = httpx.delete(url, headers=_admin_headers(), timeout=30)
-        else:
-            reply = httpx.post(url, params={"for": args.duration, "floor": args.floor},
-                               headers=_admin_headers(),
-                               timeout=30)
-    except httpx.HTTPError as exc:
-        print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
-        return 2
-    if reply.status_code != 200:
-        print(f"Ember answered {reply.status_code}: {reply.text[:300]}", file=sys.stderr)
-        return 1
-    body = reply.json()
+    path = f"/-/warm/{args.deployment}"
+    body = (_admin_json(args, "DELETE", path) if args.off else
+            _admin_json(args, "POST", path, params={"for": args.duration, "floor": args.floor}))
+    if isinstance(body, int):
+        return body
     if args.off:
         print(f"{args.deployment}: lease ended")
     else:
@@ -167,13 +157,13 @@ def parse_traffic(pairs: Sequence[str]) -> dict[str, int]:
     return weights
 
 
-def _admin_json(args: argparse.Namespace, path: str, body: Any = None) -> dict[str, Any] | int:
-    """``PUT`` ``body`` to (or, without one, ``GET``) an admin route: its JSON answer, or the
-    exit code after saying what went wrong."""
+def _admin_json(args: argparse.Namespace, method: str, path: str,
+                **request: Any) -> dict[str, Any] | int:
+    """Call an admin route of the server at ``args.url``: its JSON answer, or the exit code
+    after saying what went wrong (2: unreachable, 1: refused)."""
     url = f"{args.url.rstrip('/')}{path}"
     try:
-        reply = (httpx.put(url, json=body, headers=_admin_headers(), timeout=30) if body
-                 else httpx.get(url, headers=_admin_headers(), timeout=30))
+        reply = httpx.request(method, url, headers=_admin_headers(), timeout=30, **request)
     except httpx.HTTPError as exc:
         print(f"cannot reach Ember at {args.url}: {exc}", file=sys.stderr)
         return 2
@@ -189,7 +179,9 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    answer = _admin_json(args, f"/-/traffic/{args.deployment}", weights)
+    path = f"/-/traffic/{args.deployment}"
+    answer = (_admin_json(args, "PUT", path, json=weights) if weights
+              else _admin_json(args, "GET", path))
     if isinstance(answer, int):
         return answer
     shares = ", ".join(f"v{v} {w}%" for v, w in answer["weights"].items())
@@ -203,7 +195,9 @@ def cmd_shadow(args: argparse.Namespace) -> int:
         body = {"percent": 0}
     elif args.to is not None:
         body = {"to": args.to, "percent": args.percent}
-    answer = _admin_json(args, f"/-/shadow/{args.deployment}", body)
+    path = f"/-/shadow/{args.deployment}"
+    answer = (_admin_json(args, "PUT", path, json=body) if body
+              else _admin_json(args, "GET", path))
     if isinstance(answer, int):
         return answer
     shadow = answer["shadow"]

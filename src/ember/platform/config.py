@@ -28,6 +28,9 @@ from ember.platform.batching import Batch
 
 #: Deployment and route names reach URLs, metrics labels and cache keys: keep them plain.
 NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$"
+#: A Serve deployment Ember made: a name, and for a versioned class ``@version``.
+SERVE_NAME_PATTERN = re.compile(NAME_PATTERN.pattern[:-1] + "(@" + VERSION_PATTERN[1:-1] + ")?$")
 ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
 
 #: Import path Ray Serve's controller resolves for Ember-managed deployments.
@@ -80,7 +83,7 @@ class DeploymentOptions(BaseModel):
 
     name: str | None = Field(default=None, description="Deployment name; default: class name.")
     version: str | None = Field(
-        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$",
+        default=None, pattern=VERSION_PATTERN,
         description="Version label; classes with one name are versions of one deployment.",
     )
     route: str | None = Field(default=None, description="HTTP path of the handler, e.g. '/embed'.")
@@ -219,11 +222,12 @@ def check_name(value: str, what: str) -> str:
         BadRequest: for traversal attempts (``../``, ``%2e%2e%2f`` once decoded, absolute
             paths, NUL, backslashes) and anything else that is not a plain name.
     """
-    if not NAME_PATTERN.match(value):
+    if not SERVE_NAME_PATTERN.match(value):
         from ember.errors import BadRequest
 
         raise BadRequest(f"{what} name {value[:80]!r} is not a valid name "
-                         "(letters, digits, '_' and '-', starting with a letter)")
+                         "(letters, digits, '_' and '-', starting with a letter; "
+                         "a version after '@')")
     return value
 
 
