@@ -18,6 +18,7 @@ facts reach logs, callers and tests::
     │   ├── Unauthorized (401)         no valid ``Authorization: Bearer <key>``
     │   ├── Forbidden (403)            an invoke key (or a remote client) on an admin route
     │   ├── NotFound (404)
+    │   ├── Conflict (409)             fits, but not the state it meets (a rollout already runs)
     │   ├── MethodNotAllowed (405)
     │   ├── PayloadTooLarge (413)      body over max_request_bytes, with or without Content-Length
     │   ├── UnsupportedMediaType (415) a compressed body
@@ -61,6 +62,7 @@ from __future__ import annotations
 from ember.errors._base import (
     BadRequest,
     ConfigError,
+    Conflict,
     DeploymentUnavailable,
     EmberError,
     InvalidBody,
@@ -115,6 +117,7 @@ __all__ = [
     "BadRequest",
     "CacheFull",
     "ConfigError",
+    "Conflict",
     "DeploymentUnavailable",
     "EmberError",
     "Forbidden",

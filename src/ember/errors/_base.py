@@ -72,6 +72,12 @@ class NotFound(RequestError):
     template = "no route for {method} {path}"
 
 
+class Conflict(RequestError):
+    """The request fits, but not the state it meets (a rollout already running, say)."""
+
+    status_code = 409
+
+
 class PayloadTooLarge(RequestError):
     status_code = 413
     template = "request body exceeds {limit} bytes for {path}"
