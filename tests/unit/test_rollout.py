@@ -118,12 +118,24 @@ def test_too_few_requests_are_not_judged() -> None:
     assert held.state == "running" and change == ro.Change()
 
 
-def test_a_slow_candidate_is_rolled_back_on_its_p99() -> None:
+def test_a_slow_candidate_is_rolled_back_on_its_p99_over_the_whole_step() -> None:
     edges = Edges()
     rollout = held_first_step(edges)
     edges.serve("1", tally(400, p99_s=0.010))
-    slow, _ = ro.tick(rollout, 10.0, edges.serve("2", tally(40, p99_s=0.020)), {"1": 2, "2": 1})
+    held, _ = ro.tick(rollout, 10.0, edges.serve("2", tally(100, p99_s=0.020)),
+                      {"1": 2, "2": 1})
+    assert held.state == "running"  # the p99 waits for the step's end
+    slow, _ = ro.tick(held, 61.0, edges.serve("2", tally(0)), {"1": 2, "2": 1})
     assert slow.state == "failed" and "p99 of 19.8 ms is over 1.5x v1's 9.9 ms" in slow.reason
+
+
+def test_a_p99_from_fewer_than_100_requests_is_not_judged() -> None:
+    edges = Edges()
+    rollout = held_first_step(edges)
+    edges.serve("1", tally(400, p99_s=0.010))
+    moved, _ = ro.tick(rollout, 61.0, edges.serve("2", tally(99, p99_s=0.050)),
+                       {"1": 2, "2": 1})
+    assert moved.state == "running" and moved.phase == "waking"
 
 
 def test_at_100_percent_the_candidate_is_judged_against_stable_since_the_start() -> None:
@@ -132,7 +144,7 @@ def test_at_100_percent_the_candidate_is_judged_against_stable_since_the_start()
     edges.serve("1", tally(400, p99_s=0.010))
     last = Rollout.from_json({**rollout.as_json(), "step": 3})  # holding 100%: no stable now
     last = ro.tick(last, 2.0, edges.serve("2", tally(0)), {"2": 2})[0]
-    failed, _ = ro.tick(last, 3.0, edges.serve("2", tally(40, p99_s=0.030)), {"2": 2})
+    failed, _ = ro.tick(last, 63.0, edges.serve("2", tally(100, p99_s=0.030)), {"2": 2})
     assert failed.state == "failed" and "v1's 9.9 ms" in failed.reason
 
 

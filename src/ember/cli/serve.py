@@ -96,7 +96,17 @@ def render_status(status: dict[str, Any]) -> str:
     ready = "ready" if status.get("ready") else "not ready"
     notes = [f"{d['deployment']}: {d[key]}" for d in status["deployments"]
              for key in ("waiting_for_resources", "pool_failure") if d.get(key)]
+    notes += [_rollout_note(d) for d in status["deployments"] if d.get("rollout")]
     return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes])
+
+
+def _rollout_note(row: dict[str, Any]) -> str:
+    """One line on the rollout to the version of ``row``."""
+    r = row["rollout"]
+    text = f"rollout {row['group']} v{r['from']} -> v{row['version']}: {r['state']}"
+    if r["state"] == "running":
+        text += f", step {r['step']}/{r['steps']} ({r['share']}%), {r['phase']}"
+    return f"{text} ({r['reason']})" if r.get("reason") else text
 
 
 def plan_rows(status: dict[str, Any]) -> list[tuple[str, ...]]:

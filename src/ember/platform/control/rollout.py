@@ -9,10 +9,10 @@ stepped analysis do. Each step goes:
    (``ceil(replicas of the group * share)``, at least one), and the step waits until that
    many of its replicas run, so the step's requests meet a warm candidate;
 2. **hold** for ``every_s``: the weights are ``{stable: 100 - share, to: share}``; while the
-   step holds, the candidate's 5xx rate and p99 latency over the step are compared with
-   stable's. More than ``max_error_rate`` above stable's rate, or a p99 above
-   ``max_p99_ratio`` times stable's, sends all traffic back to stable and marks the rollout
-   failed with the reason, at once, not at the end of the step;
+   step holds, the candidate's 5xx rate over the step is compared with stable's; more than
+   ``max_error_rate`` above it sends all traffic back to stable and marks the rollout failed
+   with the reason, at once, not at the end of the step. At the step's end, so does a p99
+   latency over the step above ``max_p99_ratio`` times stable's;
 3. after the last step (100%) has held, the rollout has succeeded.
 
 The rollout is judged only on evidence: a version with fewer than ``min_requests`` requests
@@ -38,6 +38,9 @@ from ember.errors import BadRequest
 WAKE_TIMEOUT_S = 120.0
 #: Events kept in a rollout's history (steps, the verdict), oldest dropped first.
 HISTORY_LIMIT = 20
+#: Requests of each version below which a step's p99 is not compared (the p99 of fewer is
+#: little more than their maximum).
+P99_MIN_REQUESTS = 100
 #: The states a rollout ends in.
 ENDED = ("succeeded", "failed", "rolled_back")
 
@@ -195,6 +198,8 @@ class Rollout:
     phase_started_s: float = 0.0
     wake_floor: int = 1
     reason: str = ""
+    #: When the driver last wrote it: a running rollout that stops beating lost its driver.
+    beat_s: float = 0.0
     step_counts: Counts = field(default_factory=dict)
     first_counts: Counts = field(default_factory=dict)
     #: The last judgement: per role ("stable", "candidate"), requests, 5xx rate and p99.
@@ -269,10 +274,11 @@ def tick(rollout: Rollout, now: float, counts: Counts, running: Mapping[str, int
         return rollout, Change()
     if rollout.phase == "waking":
         return _wake(rollout, now, counts, running)
-    verdict = judge(rollout, counts)
+    over = now - rollout.phase_started_s >= rollout.spec.every_s
+    verdict = judge(rollout, counts, step_over=over)
     if verdict is not None:
         return end(rollout, now, "failed", verdict)
-    if now - rollout.phase_started_s < rollout.spec.every_s:
+    if not over:
         return rollout, Change()
     if rollout.step == len(rollout.spec.steps) - 1:
         done = replace(rollout, state="succeeded",
@@ -308,8 +314,14 @@ def wake_floor(rollout: Rollout, running: Mapping[str, int]) -> int:
     return max(1, min(need, rollout.max_replicas))
 
 
-def judge(rollout: Rollout, counts: Counts) -> str | None:
-    """Why the candidate must be rolled back, from the step so far; None while it holds."""
+def judge(rollout: Rollout, counts: Counts, *, step_over: bool) -> str | None:
+    """Why the candidate must be rolled back; None while it holds.
+
+    Errors are judged all through the step: a failing candidate is pulled at once. The p99
+    is judged once, over the whole step, from at least ``P99_MIN_REQUESTS`` requests of each
+    version: a tail quantile re-read on every tick of a growing window would, by chance
+    alone, cross any bound sooner or later.
+    """
     spec = rollout.spec
     step, since_first = window(counts, rollout.step_counts), window(counts, rollout.first_counts)
     candidate = step.get(spec.to, Tally())
@@ -322,7 +334,8 @@ def judge(rollout: Rollout, counts: Counts) -> str | None:
         return (f"v{spec.to} answered {candidate.error_rate:.1%} of {candidate.requests:.0f} "
                 f"requests with 5xx, over v{spec.stable}'s {stable.error_rate:.1%} + "
                 f"{spec.max_error_rate:.1%}")
-    if stable.requests < spec.min_requests:
+    if not step_over or min(stable.requests, candidate.requests) < max(
+            spec.min_requests, P99_MIN_REQUESTS):
         return None
     mine, theirs = candidate.quantile(0.99), stable.quantile(0.99)
     if theirs > 0 and mine > spec.max_p99_ratio * theirs:

@@ -148,6 +148,10 @@ class EdgeBoard:
         return {**own, "deployments": list(rows.values()), "edges": edges}
 
     def _others(self) -> dict[str, dict[str, Any]]:
+        return {edge: value for edge, value in self.published().items() if edge != self.edge}
+
+    def published(self) -> dict[str, dict[str, Any]]:
+        """Every edge's fresh publication (``at``, ``text``, ``status``), by edge id."""
         from ray.experimental import internal_kv
 
         prefix = self._key("")
@@ -160,7 +164,7 @@ class EdgeBoard:
                 fresh = time.time() - float(value["at"]) < self.STALE_S
             except (ValueError, KeyError, TypeError):  # damaged: skip it rather than fail
                 continue
-            if edge != self.edge and fresh:
+            if fresh:
                 found[edge] = value
         return found
 

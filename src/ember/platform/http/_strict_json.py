@@ -29,6 +29,7 @@ import re
 from itertools import accumulate
 from typing import Any, NoReturn
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.errors import (
@@ -88,6 +89,15 @@ def parse_json(body: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
     if _SURROGATE_ESCAPE.search(text):
         _refuse_unpaired_surrogates(value)
     return value
+
+
+async def read_json(request: Request) -> Any:
+    """The body of an admin route, parsed as strictly as a model route's.
+
+    Raises:
+        MalformedJSON: the body is not strict JSON.
+    """
+    return parse_json(await request.body())
 
 
 def nesting_depth(text: str) -> int:

@@ -55,6 +55,7 @@ from ember.platform.http._strict_json import (
 from ember.platform.http.auth import ApiKeys, AuthMiddleware
 from ember.platform.http.protocols import Protocol
 from ember.platform.http.ratelimit import RateLimiter, RateLimitMiddleware
+from ember.platform.http.rollouts import add_rollout_routes
 from ember.platform.http.versions import VERSION_HEADER, Versions, add_traffic_routes
 
 logger = logging.getLogger("ember.ingress")
@@ -423,6 +424,7 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
         app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)
     _add_lease_routes(app, state)
     add_traffic_routes(app, state.versions)
+    add_rollout_routes(app, state.app_name, state.versions, state.options)
 
 
 def _check_lease(state: IngressState, deployment: str, seconds: float, floor: int) -> None:

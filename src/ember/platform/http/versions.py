@@ -23,11 +23,14 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from ember.errors import EmberError, MalformedJSON, NotFound
+from ember.errors import EmberError, NotFound
+from ember.platform.control.rollout import Rollout
 from ember.platform.control.shadow import Shadow, distance, parse_shadow
 from ember.platform.control.traffic import Traffic, TrafficStore, parse_weights
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._metrics import Metrics
+from ember.platform.http._strict_json import read_json
+from ember.platform.http.rollouts import RolloutStore, watch
 
 logger = logging.getLogger("ember.ingress")
 
@@ -54,6 +57,10 @@ class Versions:
         self.store = TrafficStore(app_name)
         self.shadow_store = TrafficStore(app_name, "shadow")
         self.shadows: dict[str, Shadow] = {}
+        self.app_name = app_name
+        self.rollout_store = RolloutStore(app_name)
+        #: Each deployment's latest rollout, running or ended, as last read.
+        self.rollouts: dict[str, Rollout] = {}
         self._copies: set[asyncio.Task[None]] = set()  # running copies, kept from the GC
         self.labels = {n: labels.get(n, "1") for names in versions.values() for n in names}
         self.traffic = Traffic({g: [self.labels[n] for n in names]
@@ -127,15 +134,20 @@ class Versions:
         group = self._group_of.get(name, name)
         label = self.labels.get(name, "1")
         shadow = self.shadows.get(group)
+        rollout = self.rollouts.get(group)
         return {"group": group, "version": label,
                 "weight": self.traffic.weights.get(group, {}).get(label, 100),
-                "shadow_percent": shadow.percent if shadow and shadow.to == label else 0}
+                "shadow_percent": shadow.percent if shadow and shadow.to == label else 0,
+                "rollout": _rollout_row(rollout) if rollout and rollout.spec.to == label
+                else None}
 
     async def refresh(self) -> None:
         """Take the weights and shadows other edges (or an earlier run of this one) stored."""
         if not self.versioned:
             return
         self.traffic.update(await asyncio.to_thread(self.store.read))
+        self.rollouts = await asyncio.to_thread(self.rollout_store.read_all)
+        await watch(self.app_name, self.rollouts)
         stored = await asyncio.to_thread(self.shadow_store.read)
         for group, labels in self.traffic.versions.items():
             if group in stored:
@@ -155,6 +167,10 @@ class Versions:
             raise NotFound(method="traffic", path=f"/-/traffic/{group}")
         return labels
 
+    def note_rollout(self, rollout: Rollout) -> None:
+        """Show a rollout this edge just began or ended before the next refresh reads it."""
+        self.rollouts[rollout.spec.group] = rollout
+
     def set_shadow(self, group: str, shadow: Shadow | None) -> None:
         if shadow is None:
             self.shadows.pop(group, None)
@@ -162,11 +178,12 @@ class Versions:
             self.shadows[group] = shadow
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise MalformedJSON(str(exc)) from None
+def _rollout_row(rollout: Rollout) -> dict[str, Any]:
+    """What ``/-/status`` says of a rollout, on its candidate's row."""
+    spec = rollout.spec
+    return {"state": rollout.state, "phase": rollout.phase, "from": spec.stable,
+            "step": rollout.step + 1, "steps": len(spec.steps), "share": rollout.share,
+            "reason": rollout.reason, "judged": rollout.judged}
 
 
 def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
@@ -181,7 +198,7 @@ def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
                              "weights": versions.traffic.weights[deployment]})
 
     async def write(deployment: str, request: Request) -> Response:
-        weights = parse_weights(deployment, labels_of(deployment), await _json(request))
+        weights = parse_weights(deployment, labels_of(deployment), await read_json(request))
         await asyncio.to_thread(versions.store.write, deployment, weights)
         versions.traffic.update({deployment: weights})
         return JSONResponse({"deployment": deployment, "weights": weights})
@@ -201,7 +218,7 @@ def _add_shadow_routes(app: FastAPI, versions: Versions) -> None:
                              "shadow": shadow.as_dict() if shadow else {"percent": 0}})
 
     async def write_shadow(deployment: str, request: Request) -> Response:
-        shadow = parse_shadow(deployment, labels_of(deployment), await _json(request))
+        shadow = parse_shadow(deployment, labels_of(deployment), await read_json(request))
         stored = shadow.as_dict() if shadow else {"percent": 0}
         await asyncio.to_thread(versions.shadow_store.write, deployment, stored)
         versions.set_shadow(deployment, shadow)
