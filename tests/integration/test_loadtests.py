@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = ("coldstart", "coldstart-own", "steady", "overload", "chaos", "edge-chaos")
+SCENARIOS = ("coldstart", "coldstart-own", "steady", "overload", "chaos", "edge-chaos",
+             "rollout")
 
 
 @pytest.mark.slow
