@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -268,7 +268,7 @@ def add_rollout_routes(app: FastAPI, app_name: str, versions: Any,
         spec = policy.parse_rollout(deployment, labels, versions.traffic.weights[deployment],
                                     await read_json(request))
         max_replicas = options[serve_name(deployment, spec.to)].max_replicas
-        spec_json = Rollout(spec, max_replicas, 0.0).as_json()["spec"]
+        spec_json = {**asdict(spec), "steps": list(spec.steps)}
         began = await _call_driver(app_name, "begin", spec_json, max_replicas)
         if began is None:
             raise Conflict(f"a rollout of {deployment!r} is already running; "
