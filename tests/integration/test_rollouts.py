@@ -100,10 +100,12 @@ def test_a_second_rollout_conflicts_and_the_cli_rolls_the_first_back(
     from ember.cli import main
     from ember.cli.serve import render_status
 
+    assert main(["warm", "Embed@2", "--for", "20m", "--url", url]) == 0  # the operator's
+    operators = _lease("Embed@2")
     body = {"to": "2", "steps": [50, 100], "every_s": 600}
     assert httpx.put(f"{url}/-/rollout/Embed", json=body, timeout=30).status_code == 200
     wait_for(lambda: _rollout(url)["phase"] == "holding", 60, what="v2 woken, step 1 holding")
-    assert _lease("Embed@2") is not None  # the candidate was woken through a lease
+    assert _lease("Embed@2") != operators  # the candidate was woken through the rollout's
     again = httpx.put(f"{url}/-/rollout/Embed", json=body, timeout=30)
     assert again.status_code == 409 and "already running" in again.text
     line = "rollout Embed v1 -> v2: running, step 1/2 (50%), holding"
@@ -115,6 +117,8 @@ def test_a_second_rollout_conflicts_and_the_cli_rolls_the_first_back(
     assert capsys.readouterr().out == "Embed: rolled back; v1 100%, v2 0%, v3 0%\n"
     rollout = _rollout(url)
     assert (rollout["state"], rollout["reason"]) == ("rolled_back", "rolled back by the operator")
+    assert _lease("Embed@2") == operators  # the operator's lease is back as it was
+    assert main(["warm", "Embed@2", "--off", "--url", url]) == 0
     assert _lease("Embed@2") is None
     wait_for(lambda: _every_edge_on(url, {"1": 100, "2": 0, "3": 0}), 15,
              what="every edge back on v1")

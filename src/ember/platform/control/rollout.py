@@ -200,6 +200,8 @@ class Rollout:
     reason: str = ""
     #: When the driver last wrote it: a running rollout that stops beating lost its driver.
     beat_s: float = 0.0
+    #: The operator's lease on the candidate when the rollout began, given back at its end.
+    prior_lease: dict[str, float] | None = None
     step_counts: Counts = field(default_factory=dict)
     first_counts: Counts = field(default_factory=dict)
     #: The last judgement: per role ("stable", "candidate"), requests, 5xx rate and p99.

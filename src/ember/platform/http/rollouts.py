@@ -153,7 +153,9 @@ class RolloutDriver:
             return None
         _, running = self._observe(spec.group)
         rollout, change = policy.start(spec, max_replicas, time.time(), running)
-        return self._apply(replace(rollout, beat_s=time.time()), change).as_json()
+        prior = self.leases.get(serve_name(spec.group, spec.to))
+        rollout = replace(rollout, beat_s=time.time(), prior_lease=prior)
+        return self._apply(rollout, change).as_json()
 
     async def rollback(self, group: str, reason: str) -> dict[str, Any] | None:
         """End ``group``'s running rollout with all traffic on stable; None if none runs."""
@@ -213,16 +215,28 @@ class RolloutDriver:
         spec = rollout.spec
         if change.weights is not None:
             self.traffic.write(spec.group, change.weights)
-        candidate = serve_name(spec.group, spec.to)
-        if change.floor == 0:
-            self.leases.delete(candidate)
-        elif change.floor is not None:
-            # Long enough to wake and hold one step; the next step renews it, and a driver
-            # that is gone for good lets it lapse.
-            until = time.time() + policy.WAKE_TIMEOUT_S + spec.every_s + 60
-            self.leases.put(candidate, change.floor, until)
+        if change.floor is not None:
+            self._lease(rollout, change.floor)
         self.store.write(rollout)
         return rollout
+
+    def _lease(self, rollout: Rollout, floor: int) -> None:
+        """The candidate's lease: ``floor`` for a step, or at the end (0) the operator's
+        lease from before the rollout if it still runs, else none. The operator's floor,
+        if higher, holds through the rollout too."""
+        candidate = serve_name(rollout.spec.group, rollout.spec.to)
+        prior, now = rollout.prior_lease, time.time()
+        prior_live = prior is not None and float(prior.get("until_s", 0)) > now
+        prior_floor = int(prior.get("floor", 0)) if prior is not None and prior_live else 0
+        if floor == 0 and prior is not None and prior_live:
+            self.leases.put(candidate, prior_floor, float(prior["until_s"]))
+        elif floor == 0:
+            self.leases.delete(candidate)
+        else:
+            # Long enough to wake and hold one step; the next step renews it, and a driver
+            # that is gone for good lets it lapse.
+            until = now + policy.WAKE_TIMEOUT_S + rollout.spec.every_s + 60
+            self.leases.put(candidate, max(floor, prior_floor), until)
 
 
 def driver(app: str) -> Any:
