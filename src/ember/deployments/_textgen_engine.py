@@ -205,7 +205,9 @@ class Engine:
             raise BadRequest(f"the prompt ({need.prompt_tokens} tokens) plus max_tokens "
                              f"({need.max_tokens}) is over this model's limit of {limit} tokens",
                              param="max_tokens")
-        if len(self._waiting) >= self.config.max_waiting_seqs:
+        # Sequences that a free slot takes at the next step are not waiting for one.
+        free = max(0, self.config.max_num_seqs - len(self._running))
+        if len(self._waiting) >= self.config.max_waiting_seqs + free:
             raise QueueFull(deployment=self.config.name, queued=len(self._waiting),
                             limit=self.config.max_waiting_seqs)
         seq = _Seq(prompt, params, self.backend.detokenizer(), generator_for(params.seed),
