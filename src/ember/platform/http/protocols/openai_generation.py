@@ -227,8 +227,9 @@ class OpenAIGeneration(Protocol):
                 "invalid_request_error", "param": "model", "code": "model_not_found"}}, 404)
         rid = request_id_of(request)
         timing = _Timing(metrics, self.model)
-        chunks = gateway.stream(self.deployment, self.attr,
-                                self._generate_request(body).model_dump(), rid)
+        # The request object itself, as a native route sends its parsed body: the handler
+        # receives its annotated type, never a dict.
+        chunks = gateway.stream(self.deployment, self.attr, self._generate_request(body), rid)
         shape = _Shape(model=self.model, chat=chat, request_id=rid)
         first = await anext(chunks)  # a refusal raises here: a real status, before any byte
         timing.chunk(first)
