@@ -273,8 +273,12 @@ class Engine:
             old = self._running[:decoding]
             last = [s.tokens[-1] for s in old]
             logits = self.backend.decode(list(range(decoding)), last)
-            for seq, row in zip(old, logits, strict=True):
-                seq.take(sample(row, seq.params, seq.generator), eos)
+            # One argmax for the whole batch; only sampled rows go one by one.
+            greedy = logits.argmax(dim=-1).tolist()
+            for i, seq in enumerate(old):
+                sampled = seq.params.temperature > 0
+                seq.take(sample(logits[i], seq.params, seq.generator) if sampled
+                         else greedy[i], eos)
         for seq in fresh:
             seq.take(sample(self.backend.prefill(seq.slot, seq.prompt), seq.params,
                             seq.generator), eos)
@@ -288,11 +292,12 @@ class Engine:
         if self.config.mode == "static" and all(s.done for s in self._running):
             for seq in list(self._running):
                 self._release(seq)
+        running, waiting = self.running, self.waiting
         for seq in self._running + finished:
             if seq.new:
-                self._send(seq)
+                self._send(seq, running, waiting)
 
-    def _send(self, seq: _Seq) -> None:
+    def _send(self, seq: _Seq, running: int, waiting: int) -> None:
         if seq.cancelled:
             seq.new.clear()
             return
@@ -300,7 +305,7 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            running=self.running, waiting=self.waiting))
+            running=running, waiting=waiting))
         seq.new = []
 
     def _release(self, seq: _Seq) -> None:
