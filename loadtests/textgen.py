@@ -19,7 +19,7 @@ import json
 import math
 import random
 import time
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from common import Budget, add_target_options, finish, post_ok, prepare_run, wait_until
@@ -36,6 +36,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
+@dataclass
 class TextgenState:
     error: str | None = None
     ttft_ms: list[float] = field(default_factory=list)

@@ -234,7 +234,10 @@ class OpenAIGeneration(Protocol):
         first = await anext(chunks)  # a refusal raises here: a real status, before any byte
         timing.chunk(first)
         if not body.stream:
-            return await shape.whole(first, chunks, timing)
+            try:
+                return await shape.whole(first, chunks, timing)
+            finally:
+                await _close(chunks)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(shape.events(first, chunks, timing, usage=usage),
                                  media_type="text/event-stream",
@@ -277,17 +280,20 @@ class _Shape:
     async def events(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
                      timing: _Timing, *, usage: bool) -> AsyncIterator[str]:
         chunk, n = first, 0
-        while True:
-            yield _event(self._chunk(chunk, n, usage))
-            n += 1
-            if chunk["finish_reason"] is not None:
-                break
-            try:
-                chunk = await anext(rest)
-            except EmberError as err:  # the status is sent: report in-band, as OpenAI does
-                yield _event(error_body(err, self.request_id))
-                return
-            timing.chunk(chunk)
+        try:
+            while True:
+                yield _event(self._chunk(chunk, n, usage))
+                n += 1
+                if chunk["finish_reason"] is not None:
+                    break
+                try:
+                    chunk = await anext(rest)
+                except EmberError as err:  # the status is sent: report in-band, as OpenAI does
+                    yield _event(error_body(err, self.request_id))
+                    return
+                timing.chunk(chunk)
+        finally:  # a caller that left: cancel the replica's stream now, not at GC
+            await _close(rest)
         if usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
             yield _event({**self._head(kind), "choices": [], "usage": _usage(chunk)})
@@ -306,6 +312,13 @@ class _Shape:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._head(kind), "choices": [choice]}
         return {**body, "usage": None} if usage else body
+
+
+async def _close(chunks: AsyncIterator[Any]) -> None:
+    """Close a stream (an async generator) now; a no-op once it has finished."""
+    close = getattr(chunks, "aclose", None)
+    if close is not None:
+        await close()
 
 
 def _usage(chunk: dict[str, Any]) -> dict[str, int]:
