@@ -12,6 +12,9 @@ from ember.deployments._textgen_backend import TransformersBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
 
+# Importing transformers alone takes a few seconds.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
