@@ -87,6 +87,30 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ordered[len(ordered) // 2], "rounds": rounds}
 
 
+def report(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Print the table and the ratios the issue asks for; return the ratios."""
+    rows = [["mode", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms",
+             "steps"]]
+    for r in results.values():
+        rows.append([r["name"], f"{r['tokens_per_s']:.0f}", h.fmt(r["ttft_s"]["p50"]),
+                     h.fmt(r["ttft_s"]["p99"]), h.fmt(r["itl_s"]["p50"] * 1e3, ".2f"),
+                     h.fmt(r["itl_s"]["p99"] * 1e3, ".2f"), str(r["steps"])])
+    print()
+    h.print_table(rows)
+    tps = {k: v["tokens_per_s"] for k, v in results.items()}
+    p99 = {k: v["ttft_s"]["p99"] for k, v in results.items()}
+    ratios = {
+        "continuous_over_static_tokens_per_s": h.ratio(tps.get("continuous"), tps.get("static")),
+        "continuous_over_one_at_a_time_tokens_per_s": h.ratio(tps.get("continuous"),
+                                                              tps.get("one_at_a_time")),
+        "static_over_continuous_ttft_p99": h.ratio(p99.get("static"), p99.get("continuous")),
+    }
+    print()
+    for key, value in ratios.items():
+        print(f"{key}: {h.fmt(value, '.2f')}")
+    return ratios
+
+
 def main() -> int:
     parser = h.parser(__doc__, deadline_s=900)
     parser.add_argument("--requests", type=int, help="requests per mode and round (48; short 32)")
@@ -110,25 +134,7 @@ def main() -> int:
                       f"{r['ttft_s']['p99']:.3f} s", flush=True)
             h.section(f"{name} #{i}", errors, one)
     results = {name: median_round(rs) for name, rs in rounds.items() if rs}
-    rows = [["mode", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms",
-             "steps"]]
-    for r in results.values():
-        rows.append([r["name"], f"{r['tokens_per_s']:.0f}", h.fmt(r["ttft_s"]["p50"]),
-                     h.fmt(r["ttft_s"]["p99"]), h.fmt(r["itl_s"]["p50"] * 1e3, ".2f"),
-                     h.fmt(r["itl_s"]["p99"] * 1e3, ".2f"), str(r["steps"])])
-    print()
-    h.print_table(rows)
-    tps = {k: v["tokens_per_s"] for k, v in results.items()}
-    p99 = {k: v["ttft_s"]["p99"] for k, v in results.items()}
-    ratios = {
-        "continuous_over_static_tokens_per_s": h.ratio(tps.get("continuous"), tps.get("static")),
-        "continuous_over_one_at_a_time_tokens_per_s": h.ratio(tps.get("continuous"),
-                                                              tps.get("one_at_a_time")),
-        "static_over_continuous_ttft_p99": h.ratio(p99.get("static"), p99.get("continuous")),
-    }
-    print()
-    for key, value in ratios.items():
-        print(f"{key}: {h.fmt(value, '.2f')}")
+    ratios = report(results)
     h.write_results("textgen", {
         "complete": not errors, "errors": errors, "ratios": ratios,
         "config": {"requests": args.requests, "rounds": args.rounds,
