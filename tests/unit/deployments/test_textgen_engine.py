@@ -216,3 +216,27 @@ def test_a_stop_string_finishes_the_sequence_with_reason_stop(model: TinyLM) -> 
     expected, chunks = asyncio.run(scenario())
     assert "".join(c.text for c in chunks) == expected
     assert chunks[-1].finish_reason == "stop"
+
+
+def test_a_failed_step_fails_its_sequences_and_the_engine_serves_on(model: TinyLM) -> None:
+    async def scenario() -> None:
+        eng = engine(model)
+        backend = eng.backend
+        real_decode = backend.decode
+        calls = 0
+
+        def flaky(slots: list[int], tokens: list[int]) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("kernel failed")
+            return real_decode(slots, tokens)
+
+        backend.decode = flaky  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            await collect(eng.generate(encode("a"), greedy(10)))
+        assert eng.slots_used == 0
+        assert len(await collect(eng.generate(encode("b"), greedy(5)))) == 5
+        await eng.close()
+
+    asyncio.run(scenario())
