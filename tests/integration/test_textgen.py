@@ -4,6 +4,7 @@ the cold-start header and scale to zero."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -60,6 +61,17 @@ def test_the_official_client_streams_and_does_not(url: str) -> None:
         model=MODEL_NAME, messages=[{"role": "user", "content": "What is a socket?"}],
         max_tokens=16, seed=5, top_p=0.9, stop=["\n\n"], stream=True)]
     assert "".join(pieces) == chat.choices[0].message.content  # same seed, same text
+
+
+def test_the_native_generate_route_streams_server_sent_events(url: str) -> None:
+    reply = httpx.post(f"{url}/generate", json={"prompt": "Return the", "max_tokens": 6,
+                                                "temperature": 0}, timeout=60)
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line.removeprefix("data: ")) for line in reply.text.split("\n\n")
+              if line.startswith("data: ")]
+    assert [e["completion_tokens"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["finish_reason"] in ("stop", "length") and len(events) <= 6
 
 
 def test_bad_fields_get_422_naming_the_field(url: str) -> None:
