@@ -19,7 +19,7 @@ import time
 import _harness as h
 
 #: Every benchmark, quickest and quietest first (the model alone before any server).
-SCRIPTS = ("model_ceiling", "loaders", "mlp_coldstart", "coldstart", "burst",
+SCRIPTS = ("model_ceiling", "textgen", "loaders", "mlp_coldstart", "coldstart", "burst",
            "replica_memory", "batching_curve", "throughput", "hops", "offline", "shadow")
 
 

@@ -1,16 +1,18 @@
 """Run the load-test scenarios against a local Ember and write a report (``make loadtest``).
 
     python loadtests/run.py [--short] [--app module:app] [--overload-app file.py:app]
-        [--chaos-app file.py:app] [--rollout-app file.py:app] [--out DIR]
+        [--chaos-app file.py:app] [--rollout-app file.py:app] [--textgen-app module:app]
+        [--out DIR]
 
 Starts ``ember run`` on a free 127.0.0.1 port with ``EMBER_SCALEDOWN_AFTER_S`` short (so
 the coldstart scenario does not wait minutes for zero replicas), runs ``coldstart`` and
 ``steady`` against ``--app``, ``coldstart-own`` against ``--app`` served without the warm
 pool (the deployment's own replica, from the warm runtime, with a budget), then
 ``overload`` against ``--overload-app``, ``chaos`` (replicas SIGKILLed under load) and
-``edge-chaos`` (edges SIGKILLed under load) against ``--chaos-app``, and ``rollout`` (a
-candidate version rolled out 5 -> 100% under load) against ``--rollout-app`` (a server per
-app and environment, shared by scenarios that name the same), each as a headless locust
+``edge-chaos`` (edges SIGKILLed under load) against ``--chaos-app``, ``rollout`` (a
+candidate version rolled out 5 -> 100% under load) against ``--rollout-app``, and ``textgen``
+(streamed completions, TTFT and inter-token budgets) against ``--textgen-app`` (a server
+per app and environment, shared by scenarios that name the same), each as a headless locust
 subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it writes
 ``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
 HTML reports, and exits 1 if any scenario missed a budget. ``--short`` is the CI version:
@@ -44,13 +46,14 @@ FLAGSHIP = "ember.deployments.embeddings:app"
 OVERLOAD_APP = "loadtests/apps.py:app"
 CHAOS_APP = "loadtests/chaos_apps.py:app"
 ROLLOUT_APP = "loadtests/rollout_apps.py:app"
+TEXTGEN_APP = "ember.deployments.textgen:app"
 SAMPLE_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    target: str  # the option naming its app: "app", "overload_app" or "chaos_app"
+    target: str  # the option naming its app: "app", "overload_app", "chaos_app", "textgen_app"
     args: tuple[str, ...]
     timeout_s: float  # a hard stop for the locust process, beyond its own bounds
     locustfile: str = ""  # loadtests/<this>.py; the scenario's name when empty
@@ -66,7 +69,7 @@ OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """The seven scenarios; ``short`` keeps CI to a few users and seconds each."""
+    """The eight scenarios; ``short`` keeps CI to a few users and seconds each."""
     if short:
         return [
             Scenario("coldstart", "app", ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
@@ -86,6 +89,7 @@ def scenarios(short: bool) -> list[Scenario]:
                      "chaos"),
             Scenario("rollout", "rollout_app", ("-u", "6", "-r", "6", "--every-s", "4",
                                                 "--run-time", "150s"), 200),
+            Scenario("textgen", "textgen_app", ("-u", "4", "-r", "4", "--run-time", "15s"), 240),
         ]
     return [
         Scenario("coldstart", "app", ("-u", "8", "--run-time", "180s", "--warm-requests", "5"),
@@ -101,6 +105,7 @@ def scenarios(short: bool) -> list[Scenario]:
                  "chaos"),
         Scenario("rollout", "rollout_app", ("-u", "12", "-r", "4", "--every-s", "15",
                                             "--run-time", "300s"), 400),
+        Scenario("textgen", "textgen_app", ("-u", "16", "-r", "4", "--run-time", "60s"), 400),
     ]
 
 
@@ -309,6 +314,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="app for chaos: a deployment of 2 replicas answering their PID")
     parser.add_argument("--rollout-app", default=ROLLOUT_APP,
                         help="app for rollout: a deployment with versions 1 and 2")
+    parser.add_argument("--textgen-app", default=TEXTGEN_APP,
+                        help="app for textgen: OpenAI completions over a streaming handler")
     parser.add_argument("--out", type=Path, default=HERE / "reports", help="report directory")
     parser.add_argument("--scaledown-s", type=float, default=3.0,
                         help="EMBER_SCALEDOWN_AFTER_S for the server (default 3)")

@@ -12,10 +12,18 @@ from __future__ import annotations
 from ember.platform.http.protocols import Gateway, Protocol
 from ember.platform.http.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
 from ember.platform.http.protocols.openai import OpenAIEmbeddings
+from ember.platform.http.protocols.openai_generation import (
+    ChatMessage,
+    GenerateRequest,
+    OpenAIGeneration,
+)
 
 __all__ = [
+    "ChatMessage",
     "Gateway",
+    "GenerateRequest",
     "OpenAIEmbeddings",
+    "OpenAIGeneration",
     "OpenInferenceProtocol",
     "Protocol",
     "TensorModel",

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -285,18 +285,32 @@ class Dispatcher:
                           attr=attr, input_model=None, output_model=None, is_async=True)
         return await self.call(route, body, request_id)
 
-    async def stream(self, route: RouteSpec, body: Any, request_id: str) -> AsyncIterator[Any]:
-        """Yield a streaming handler's chunks as they are produced."""
+    async def stream(self, route: RouteSpec, body: Any, request_id: str,
+                     on_cold: Callable[[ColdStartReport], None] | None = None
+                     ) -> AsyncIterator[Any]:
+        """Yield a streaming handler's chunks as they are produced.
+
+        A stream that finds no running replica has its cold start measured like a call's;
+        ``on_cold`` gets the report before the first chunk is yielded.
+        """
         name = route.deployment
+        arrived = time.time()
+        timeline = self._timeline_once_placed(name)
         handle = self._handles[name].options(method_name="ember_stream", stream=True)
         with self.tracker.track(name):
             generator = cast(DeploymentResponseGenerator[Any], handle.remote(route.attr, body))
             try:
                 async for chunk in generator:
+                    if timeline is not None:
+                        report = await self._replica_report(name, arrived, timeline)
+                        timeline = None
+                        if on_cold is not None:
+                            on_cold(report)
                     yield chunk
             except Exception as exc:
                 raise self._map_error(exc, name, request_id) from None
             finally:
+                _cancel(timeline)
                 generator.cancel()  # type: ignore[no-untyped-call]  # no-op once finished
 
     async def _await(self, responses: list[Any], route: RouteSpec, request_id: str, *,

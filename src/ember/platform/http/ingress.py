@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray.serve.handle import DeploymentHandle
@@ -127,6 +128,19 @@ class IngressState:
         if outcome.cold is not None:
             note_cold_start(outcome.cold.header())
         return outcome.value
+
+    async def stream(self, deployment: str, attr: str, body: Any,
+                     request_id: str) -> AsyncIterator[Any]:
+        route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
+                          attr=attr, input_model=None, output_model=None, is_async=True,
+                          is_stream=True)
+        async for chunk in self.dispatcher.stream(
+                route, body, request_id, on_cold=lambda report: note_cold_start(report.header())):
+            yield chunk
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.metrics.registry
 
     def ready(self) -> bool:
         return self.tracker.ready()

@@ -12,15 +12,25 @@ from typing import TYPE_CHECKING, Any
 from typing import Protocol as TypingProtocol
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
 
     from ember.platform.app import App
 
 
 class Gateway(TypingProtocol):
-    """What an adapter may do: call a handler, and ask about readiness."""
+    """What an adapter may do: call a handler, stream from one, ask about readiness, and
+    register its own metric families in the edge's registry (served at ``/metrics``)."""
 
     async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any: ...
+
+    def stream(self, deployment: str, attr: str, body: Any,
+               request_id: str) -> AsyncIterator[Any]: ...
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
 
     def ready(self) -> bool: ...
 

@@ -1,0 +1,134 @@
+"""Text generation with continuous batching, served as OpenAI's completions and chat APIs.
+
+Serve it with ``ember run ember.deployments.textgen:app``:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` true or false,
+  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``stream_options.include_usage``); ``GET /v1/models`` lists the model. The official
+  ``openai`` client works unchanged.
+* ``POST /generate`` is the deployment's own streaming route (server-sent events).
+
+The model is Ember's own ``ember-tinylm-byte``: a 0.8M-parameter byte-level transformer
+trained for five minutes on Python's documentation (``bench/train_textgen.py``), shipped in
+the package and loaded through ``ember.loaders`` by a ``file://`` URL. It is small and its
+text is only Python-doc-flavoured babble; the serving around it is the real thing.
+``load_backend("/models/qwen")`` (a local ``transformers`` model directory, or an
+``hf://org/name`` entry already in the Hugging Face cache; nothing is downloaded) gives the
+same engine a real model: a deployment whose ``setup`` builds ``Generator(load_backend(dir),
+ENGINE)`` serves it with the same routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import ember
+from ember import loaders
+from ember.deployments._textgen_backend import Backend, TinyLMBackend, TransformersBackend
+from ember.deployments._textgen_engine import Engine, EngineConfig
+from ember.deployments._textgen_sampling import SamplingParams
+from ember.deployments._tinylm import TinyLMConfig, build
+from ember.errors import InvalidBody
+from ember.protocols import GenerateRequest, OpenAIGeneration
+
+MODEL_NAME = "ember-tinylm-byte"
+MODEL_DIR = Path(__file__).resolve().parent / "textgen_model"
+CODE_VERSION = f"tinylm-1/ember-{ember.__version__}"
+
+
+def load_backend(model: str | None = None) -> Backend:
+    """The shipped TinyLM, or the ``transformers`` causal LM at ``model`` (a local directory
+    or ``hf://org/name[@revision]`` already in the Hugging Face cache).
+
+    Raises:
+        WeightsError: the shipped weights cannot be read or do not fit their config.
+        OSError: ``model`` is not on this machine (nothing is downloaded).
+    """
+    if model is None:
+        url = (MODEL_DIR / "model.safetensors").as_uri()
+        state = loaders.snapshot_load(url, code_version=CODE_VERSION).tensors
+        return TinyLMBackend(build(state, TinyLMConfig.from_file(MODEL_DIR / "config.json")))
+    if model.startswith("hf://"):
+        from huggingface_hub import snapshot_download
+
+        repo, _, revision = model.removeprefix("hf://").partition("@")
+        model = snapshot_download(repo, revision=revision or None, local_files_only=True)
+    return TransformersBackend.from_directory(model)
+
+
+def chat_prompt(messages: list[Any]) -> str:
+    """The plain-text chat template of the byte model: one ``role: content`` line per turn."""
+    turns = [f"{m.role}: {m.content}" for m in messages]
+    return "\n".join([*turns, "assistant:"])
+
+
+class Generator:
+    """The replica's side of generation: one engine, requests in, chunks out."""
+
+    def __init__(self, backend: Backend, config: EngineConfig) -> None:
+        self.backend = backend
+        self.engine = Engine(backend, config)
+
+    def prompt_of(self, body: GenerateRequest) -> list[int]:
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidBody("give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            return self.backend.encode(body.prompt)
+        backend = self.backend
+        if isinstance(backend, TransformersBackend) and backend.tokenizer.chat_template:
+            tokenizer = backend.tokenizer  # a transformers model with its own chat template
+            turns = [m.model_dump(exclude_none=True) for m in body.messages or []]
+            return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+        return self.backend.encode(chat_prompt(body.messages or []))
+
+    async def stream(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
+                                top_p=body.top_p, seed=body.seed, stop=tuple(body.stop))
+        async for chunk in self.engine.generate(self.prompt_of(body), params):
+            yield {"text": chunk.text, "tokens": len(chunk.token_ids),
+                   "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
+                   "completion_tokens": chunk.completion_tokens, "running": chunk.running,
+                   "waiting": chunk.waiting}
+
+    def warmup(self) -> None:
+        """One prefill and one decode step, so the first request does not pay for them."""
+        self.backend.prefill(0, self.backend.encode("warm up"))
+        self.backend.decode([0], [32])
+        self.backend.free(0)
+
+
+#: Engine limits of one replica: 16 sequences in the batch, 64 waiting, then 503.
+ENGINE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192, max_waiting_seqs=64,
+                      name="TextGen")
+
+
+# max_ongoing_requests covers the running batch and the engine's waiting line, so the engine
+# decides admission (503 with Retry-After) and Ray's own queue only holds the overflow.
+@ember.deployment(name="TextGen", warm_floor=0, max_replicas=1, num_cpus=1,
+                  max_ongoing_requests=96, max_queue=64, target_queue_depth=64,
+                  scaledown_after_s=300, request_timeout_s=300)
+class TextGen:
+    """One continuous-batching engine per replica."""
+
+    def setup(self) -> None:
+        self.generator = Generator(load_backend(), ENGINE)
+
+    def warmup(self) -> None:
+        self.generator.warmup()
+
+    @ember.route("/generate")
+    async def generate(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self.generator.stream(body):
+            yield chunk
+
+
+app = ember.App(
+    [TextGen],
+    name="textgen",
+    protocols=[OpenAIGeneration(deployment="TextGen", attr="generate", model=MODEL_NAME)],
+    curl=("curl -sN {url}/v1/completions -H 'content-type: application/json' -d "
+          "'{{\"model\": \"ember-tinylm-byte\", \"prompt\": \"Return the\", \"max_tokens\": 32, "
+          "\"stream\": true}}'"),
+)

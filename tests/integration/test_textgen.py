@@ -1,0 +1,143 @@
+"""Generation on a real cluster: the official client, SSE, admission, disconnects, metrics,
+the cold-start header and scale to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from ember.deployments.textgen import MODEL_NAME
+
+from apps import textgen
+from serving import ServeApp
+from support import wait_for_scale_down
+
+pytestmark = pytest.mark.cluster
+
+BODY = {"model": MODEL_NAME, "prompt": "Return the", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def url(serve_app: ServeApp) -> Iterator[str]:
+    with serve_app(textgen.app, ready_timeout_s=120) as base:
+        yield base
+
+
+def test_the_first_response_of_a_cold_deployment_carries_the_cold_start_header(
+        url: str) -> None:
+    reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert "x-ember-cold-start" in reply.headers
+    again = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+    assert "x-ember-cold-start" not in again.headers
+    assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]
+
+
+def test_the_official_client_streams_and_does_not(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    whole = client.completions.create(model=MODEL_NAME, prompt="Return the", max_tokens=24,
+                                      temperature=0)
+    stream = client.completions.create(model=MODEL_NAME, prompt="Return the", max_tokens=24,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is a socket?"}],
+        max_tokens=16, seed=5, top_p=0.9, stop=["\n\n"])
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "What is a socket?"}],
+        max_tokens=16, seed=5, top_p=0.9, stop=["\n\n"], stream=True)]
+    assert "".join(pieces) == chat.choices[0].message.content  # same seed, same text
+
+
+def test_the_native_generate_route_streams_server_sent_events(url: str) -> None:
+    reply = httpx.post(f"{url}/generate", json={"prompt": "Return the", "max_tokens": 6,
+                                                "temperature": 0}, timeout=60)
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line.removeprefix("data: ")) for line in reply.text.split("\n\n")
+              if line.startswith("data: ")]
+    assert [e["completion_tokens"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["finish_reason"] in ("stop", "length") and len(events) <= 6
+
+
+def test_bad_fields_get_422_naming_the_field(url: str) -> None:
+    for field, value in (("max_tokens", 0), ("temperature", -1)):
+        reply = httpx.post(f"{url}/v1/completions", json={**BODY, field: value}, timeout=30)
+        assert reply.status_code == 422 and field in reply.text, reply.text
+    too_long = httpx.post(f"{url}/v1/completions", json={**BODY, "max_tokens": 5000},
+                          timeout=30)
+    assert too_long.status_code == 400 and "max_tokens" in too_long.text
+
+
+def _stream_all(url: str, n: int, max_tokens: int) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {**BODY, "max_tokens": max_tokens, "stream": True}
+            return list(await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body)
+                                               for _ in range(n))))
+
+    return asyncio.run(run())
+
+
+def test_a_full_engine_refuses_with_503_and_retry_after(url: str) -> None:
+    replies = _stream_all(url, 6, 300)
+    codes = sorted(r.status_code for r in replies)
+    # Two running and one waiting at most: the rest are refused at once, never queued.
+    assert codes.count(200) >= 3 and codes.count(503) >= 1, codes
+    refused = [r for r in replies if r.status_code == 503]
+    assert all(r.headers.get("retry-after") for r in refused)
+    assert all(r.text.endswith("data: [DONE]\n\n") for r in replies if r.status_code == 200)
+
+
+def test_a_client_that_disconnects_frees_its_slot(url: str) -> None:
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            # 480 tokens take each sequence over a second here, far longer than the wait below.
+            body = {**BODY, "max_tokens": 480, "stream": True}
+            # Two callers fill both slots and leave after their first event.
+            for _ in range(2):
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_lines():
+                        break
+            await asyncio.sleep(0.3)
+            # Had their sequences kept running, two of these three would be refused.
+            short = {**BODY, "max_tokens": 4}
+            replies = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=short)
+                                             for _ in range(3)))
+            return [r.status_code for r in replies]
+
+    started = time.monotonic()
+    assert asyncio.run(run()) == [200, 200, 200]
+    assert time.monotonic() - started < 10
+
+
+def test_generation_metrics_are_exported(url: str) -> None:
+    httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for name in ("ember_time_to_first_token_seconds_bucket",
+                 "ember_inter_token_latency_seconds_bucket",
+                 "ember_time_per_output_token_seconds_bucket",
+                 "ember_generation_tokens_per_second_bucket", "ember_generation_tokens_total",
+                 "ember_num_requests_running", "ember_num_requests_waiting"):
+        assert name in text, name
+
+
+def test_it_scales_to_zero_and_answers_cold_again(url: str) -> None:
+    wait_for_scale_down(url, "SmallGen", to=0, timeout_s=60)
+    reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=120)
+    assert reply.status_code == 200 and "x-ember-cold-start" in reply.headers

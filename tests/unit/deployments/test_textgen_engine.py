@@ -1,0 +1,242 @@
+"""The generation engine without Ray: batching equality, disconnects, admission, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
+
+import pytest
+import torch
+
+from ember.deployments._textgen_backend import TinyLMBackend
+from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need, admit_count
+from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus
+from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode
+from ember.errors import BadRequest, QueueFull
+
+PROMPTS = ["The licence", "def f(x):", "Return the", "a", "PYTHON SOFTWARE FOUNDATION",
+           "socket", "Copyright (c) 2001", "x = [1, 2"]
+LENGTHS = [5, 23, 9, 40, 1, 17, 31, 12]
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyLM:
+    # Random weights: equality must hold for any weights, and a random model's logits are
+    # far from ties less often than a trained one's, so this is the harder case to pass.
+    torch.manual_seed(1)
+    model = TinyLM(TinyLMConfig(dim=64, n_layers=2, n_heads=4, max_len=128)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    return model
+
+
+def engine(model: TinyLM, **options: object) -> Engine:
+    return Engine(TinyLMBackend(model), EngineConfig.model_validate(options))
+
+
+async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
+    return [c async for c in chunks]
+
+
+def greedy(n: int, **extra: object) -> SamplingParams:
+    return SamplingParams.model_validate({"max_tokens": n, "temperature": 0, **extra})
+
+
+def reference(model: TinyLM, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with no cache at all: the full sequence through forward() each time."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+async def run_all(eng: Engine, lengths: list[int]) -> list[list[int]]:
+    outs = await asyncio.gather(*(collect(eng.generate(encode(p), greedy(n)))
+                                  for p, n in zip(PROMPTS, lengths, strict=True)))
+    await eng.close()
+    return [[t for c in chunks for t in c.token_ids] for chunks in outs]
+
+
+def test_batched_greedy_equals_one_at_a_time_token_for_token(model: TinyLM) -> None:
+    # No EOS here: every sequence runs its full length, so joins and leaves happen mid-batch.
+    batched_engine = engine(model, max_num_seqs=4)
+    batched_engine.backend.eos_token_id = None
+    alone = engine(model, max_num_seqs=1)
+    alone.backend.eos_token_id = None
+    batched = asyncio.run(run_all(batched_engine, LENGTHS))
+    single = asyncio.run(run_all(alone, LENGTHS))
+    assert batched_engine.steps < alone.steps  # it did batch
+    assert batched == single
+    assert [len(t) for t in batched] == LENGTHS
+    # And both equal decoding without any KV cache.
+    for prompt, n, got in zip(PROMPTS, LENGTHS, batched, strict=True):
+        assert got == reference(model, encode(prompt), n)
+
+
+def test_static_mode_gives_the_same_tokens(model: TinyLM) -> None:
+    static = engine(model, max_num_seqs=4, mode="static")
+    static.backend.eos_token_id = None
+    alone = engine(model, max_num_seqs=1)
+    alone.backend.eos_token_id = None
+    assert asyncio.run(run_all(static, LENGTHS)) == asyncio.run(run_all(alone, LENGTHS))
+
+
+def test_a_disconnect_frees_the_slot_within_one_step(model: TinyLM) -> None:
+    async def scenario() -> None:
+        eng = engine(model, max_num_seqs=2)
+        keep = asyncio.ensure_future(collect(eng.generate(encode("a"), greedy(60))))
+        stream = cast(AsyncGenerator[Chunk, None], eng.generate(encode("b"), greedy(60)))
+        await anext(stream)
+        await anext(stream)
+        assert eng.slots_used == 2
+        await stream.aclose()  # what the replica does when the caller disconnects
+        closed_at = eng.steps
+        while eng.slots_used == 2:
+            await asyncio.sleep(0.001)
+        assert eng.steps <= closed_at + 1
+        assert not keep.done()  # the other sequence runs on
+        assert len([t for c in await keep for t in c.token_ids]) == 60
+        await eng.close()
+
+    asyncio.run(scenario())
+
+
+def test_admission_refuses_beyond_the_waiting_limit_with_503(model: TinyLM) -> None:
+    async def scenario() -> None:
+        eng = engine(model, max_num_seqs=1, max_waiting_seqs=2)
+        streams = [eng.generate(encode("x"), greedy(30)) for _ in range(4)]
+        # The first is admitted at the first step; two wait; the fourth is refused.
+        first = asyncio.ensure_future(anext(streams[0]))
+        await asyncio.sleep(0)
+        waits = [asyncio.ensure_future(anext(s)) for s in streams[1:3]]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as err:
+            await anext(streams[3])
+        assert err.value.status_code == 503 and "limit 2" in str(err.value)
+        for task in [first, *waits]:
+            task.cancel()
+        await asyncio.gather(first, *waits, return_exceptions=True)
+        await eng.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_cannot_fit_is_a_400_naming_max_tokens(model: TinyLM) -> None:
+    async def scenario() -> None:
+        eng = engine(model, max_num_batched_tokens=50)
+        with pytest.raises(BadRequest) as err:
+            await anext(eng.generate(encode("hello"), greedy(46)))
+        assert err.value.status_code == 400 and "max_tokens" in str(err.value)
+        # 6 prompt tokens + 44 fits exactly.
+        assert len(await collect(eng.generate(encode("hello"), greedy(44)))) >= 1
+        await eng.close()
+
+    asyncio.run(scenario())
+
+
+def test_token_budget_limits_the_running_batch() -> None:
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=100)
+    needs = [Need(10, 30)] * 5
+    assert admit_count(needs, running=0, reserved=0, config=cfg, max_len=512,
+                       oldest_wait_s=0) == 2
+    assert admit_count(needs, running=1, reserved=80, config=cfg, max_len=512,
+                       oldest_wait_s=0) == 0
+    assert admit_count(needs, running=7, reserved=0, config=cfg, max_len=512,
+                       oldest_wait_s=0) == 1
+    static = EngineConfig(max_num_seqs=4, mode="static", static_wait_s=1)
+    assert admit_count(needs[:2], running=0, reserved=0, config=static, max_len=512,
+                       oldest_wait_s=0.1) == 0  # still gathering its batch
+    assert admit_count(needs[:2], running=0, reserved=0, config=static, max_len=512,
+                       oldest_wait_s=1) == 2
+    assert admit_count(needs, running=1, reserved=0, config=static, max_len=512,
+                       oldest_wait_s=5) == 0  # a batch is running
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(model: TinyLM) -> None:
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+
+    async def one(extra: int) -> list[int]:
+        eng = engine(model, max_num_seqs=4)
+        eng.backend.eos_token_id = None
+        others = [asyncio.ensure_future(collect(eng.generate(encode("z"), greedy(10))))
+                  for _ in range(extra)]
+        mine = await collect(eng.generate(encode("seeded"), params))
+        await asyncio.gather(*others)
+        await eng.close()
+        return [t for c in mine for t in c.token_ids]
+
+    alone, shared = asyncio.run(one(0)), asyncio.run(one(3))
+    assert alone == shared
+    other_seed = asyncio.run(_sampled(model, params.model_copy(update={"seed": 8})))
+    assert other_seed != alone
+
+
+async def _sampled(model: TinyLM, params: SamplingParams) -> list[int]:
+    eng = engine(model)
+    eng.backend.eos_token_id = None
+    out = [t for c in await collect(eng.generate(encode("seeded"), params)) for t in c.token_ids]
+    await eng.close()
+    return out
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert _nucleus(probs.clone(), 0.7).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert _nucleus(probs.clone(), 0.1).tolist() == pytest.approx([1, 0, 0, 0])
+    assert _nucleus(probs.clone(), 1.0).tolist() == pytest.approx(probs.tolist())
+
+
+def test_stop_strings_cut_the_text_and_never_leak_in_pieces() -> None:
+    stop = StopText(("END",))
+    sent = ""
+    for piece in ["hel", "lo E", "N", "D and more"]:
+        stop.add(piece)
+        sent += stop.release(final=False)
+        if piece == "lo E":
+            assert sent == "hello "  # "E" might start END: held back
+    assert stop.stopped and sent == "hello "
+    loose = StopText(("END",))
+    loose.add("hello E")
+    assert loose.release(final=False) == "hello " and loose.release(final=True) == "E"
+
+
+def test_a_stop_string_finishes_the_sequence_with_reason_stop(model: TinyLM) -> None:
+    async def scenario() -> tuple[str, list[Chunk]]:
+        eng = engine(model)
+        eng.backend.eos_token_id = None
+        free = await collect(eng.generate(encode("q"), greedy(30)))
+        text = "".join(c.text for c in free)
+        stop = text[5:7]
+        chunks = await collect(eng.generate(encode("q"), greedy(30, stop=(stop,))))
+        await eng.close()
+        return text[:text.find(stop)], chunks
+
+    expected, chunks = asyncio.run(scenario())
+    assert "".join(c.text for c in chunks) == expected
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_a_failed_step_fails_its_sequences_and_the_engine_serves_on(model: TinyLM) -> None:
+    async def scenario() -> None:
+        eng = engine(model)
+        backend = eng.backend
+        real_decode = backend.decode
+        calls = 0
+
+        def flaky(slots: list[int], tokens: list[int]) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("kernel failed")
+            return real_decode(slots, tokens)
+
+        backend.decode = flaky  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            await collect(eng.generate(encode("a"), greedy(10)))
+        assert eng.slots_used == 0
+        assert len(await collect(eng.generate(encode("b"), greedy(5)))) == 5
+        await eng.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,171 @@
+"""OpenAI completions and chat over a real engine, without Ray: shapes, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ember.deployments._textgen_backend import TinyLMBackend
+from ember.deployments._textgen_engine import EngineConfig
+from ember.deployments._tinylm import TinyLM, TinyLMConfig
+from ember.deployments.textgen import Generator
+from ember.platform.http._asgi import install_error_handlers
+from ember.protocols import GenerateRequest, OpenAIGeneration
+
+MODEL = "tiny"
+
+
+class EngineGateway:
+    """The gateway an edge gives adapters, with the replica's generator in-process."""
+
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+        self.registry = CollectorRegistry()
+
+    async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+        raise AssertionError("generation streams; it never calls")
+
+    async def stream(self, deployment: str, attr: str, body: Any,
+                     request_id: str) -> AsyncIterator[Any]:
+        assert isinstance(body, GenerateRequest)  # what the replica's handler is annotated with
+        async for chunk in self.generator.stream(body):
+            yield chunk
+
+    def ready(self) -> bool:
+        return True
+
+
+def build(**limits: Any) -> tuple[FastAPI, EngineGateway]:
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(dim=32, n_layers=1, n_heads=2, max_len=256)).eval()
+    gateway = EngineGateway(Generator(TinyLMBackend(model), EngineConfig(**limits)))
+    api = FastAPI()
+    install_error_handlers(api, lambda path, reason: None)
+    OpenAIGeneration(deployment="TextGen", attr="generate", model=MODEL).install(api, gateway)
+    return api, gateway
+
+
+def client(api: FastAPI) -> openai.AsyncOpenAI:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://t")
+    # openai's stubs name their own vendored httpx's client; at run time any httpx client works.
+    return openai.AsyncOpenAI(api_key="none", base_url="http://t/v1",
+                              http_client=http)  # type: ignore[arg-type]
+
+
+def test_completions_stream_and_not_with_the_official_client() -> None:
+    async def scenario() -> None:
+        api, gateway = build()
+        oa = client(api)
+        whole = await oa.completions.create(model=MODEL, prompt="Hello", max_tokens=12,
+                                            temperature=0)
+        assert whole.choices[0].finish_reason in ("length", "stop")
+        assert whole.usage is not None and whole.usage.prompt_tokens == 6
+        assert whole.usage.completion_tokens <= 12
+        pieces, usage = [], None
+        stream = await oa.completions.create(model=MODEL, prompt="Hello", max_tokens=12,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+            else:
+                usage = chunk.usage
+        assert "".join(pieces) == whole.choices[0].text  # greedy: the same text both ways
+        assert usage is not None and usage.total_tokens == whole.usage.total_tokens
+        await gateway.generator.engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_chat_streams_a_role_then_content_and_ends_with_done() -> None:
+    async def scenario() -> None:
+        api, gateway = build()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t") as http:
+            reply = await http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5, "stream": True, "seed": 3})
+        events = [line.removeprefix("data: ") for line in reply.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert "usage" not in chunks[-1]  # not asked for
+        await gateway.generator.engine.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("field", "value", "status"), [
+    ("max_tokens", 0, 422), ("temperature", -1, 422), ("top_p", 0, 422),
+    ("max_tokens", 10_000, 400)])
+def test_bad_sampling_fields_are_refused_naming_the_field(field: str, value: float,
+                                                          status: int) -> None:
+    async def scenario() -> httpx.Response:
+        api, gateway = build()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t") as http:
+            reply = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x", field: value})
+        await gateway.generator.engine.close()
+        return reply
+
+    reply = asyncio.run(scenario())
+    assert reply.status_code == status
+    assert field in reply.text
+
+
+def test_a_full_engine_answers_503_with_retry_after_before_streaming() -> None:
+    async def scenario() -> list[httpx.Response]:
+        api, gateway = build(max_num_seqs=1, max_waiting_seqs=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t", timeout=60) as http:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True}
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=body)
+                                             for _ in range(4)))
+        await gateway.generator.engine.close()
+        return list(replies)
+
+    replies = asyncio.run(scenario())
+    assert sorted(r.status_code for r in replies) == [200, 200, 503, 503]
+    refused = [r for r in replies if r.status_code == 503]
+    assert all(r.headers["retry-after"] == "1" and "limit 1" in r.text for r in refused)
+    served = [r for r in replies if r.status_code == 200]
+    assert all(r.text.endswith("data: [DONE]\n\n") for r in served)
+
+
+def test_metrics_named_like_vllm_are_observed() -> None:
+    async def scenario() -> bytes:
+        api, gateway = build()
+        await client(api).completions.create(model=MODEL, prompt="a", max_tokens=4,
+                                             stream=False)
+        await gateway.generator.engine.close()
+        return generate_latest(gateway.registry)
+
+    text = asyncio.run(scenario()).decode()
+    for name in ("ember_time_to_first_token_seconds_count", "ember_inter_token_latency_seconds",
+                 "ember_time_per_output_token_seconds", "ember_generation_tokens_per_second",
+                 "ember_generation_tokens_total", "ember_num_requests_running",
+                 "ember_num_requests_waiting"):
+        assert name in text
+    assert 'ember_time_to_first_token_seconds_count{model="tiny"} 1.0' in text
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape() -> None:
+    async def scenario() -> None:
+        api, gateway = build()
+        with pytest.raises(openai.NotFoundError):
+            await client(api).completions.create(model="gpt-9", prompt="a")
+        await gateway.generator.engine.close()
+
+    asyncio.run(scenario())
