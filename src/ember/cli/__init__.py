@@ -1,8 +1,8 @@
 """The ``ember`` command line: one parser, each subcommand family in a module of its own.
 
 ``serve`` (run, status, warm, plan), ``cache`` (warm, ls, verify, evict), ``snapshot`` (ls,
-drop) and ``batch`` (the offline shift). Each module exposes ``register(subparsers)``; every
-subcommand sets ``func(args) -> int``, the exit code.
+drop), ``batch`` (the offline shift) and ``deploy`` (a Kubernetes manifest). Each module
+exposes ``register(subparsers)``; every subcommand sets ``func(args) -> int``, the exit code.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ember.cli import batch, cache, serve, snapshot
+from ember.cli import batch, cache, deploy, serve, snapshot
 from ember.errors import ConfigError
 
 
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``ember`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="ember", description="Serverless model serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
-    for family in (serve, cache, snapshot, batch):
+    for family in (serve, cache, snapshot, batch, deploy):
         family.register(sub)
     return parser
 
