@@ -1,8 +1,8 @@
 """The ``ember`` command line: one parser, each subcommand family in a module of its own.
 
 ``serve`` (run, status, warm, traffic, shadow, plan), ``rollout`` (rollout, rollback),
-``cache`` (warm, ls, verify, evict), ``snapshot`` (ls, drop) and ``batch`` (the offline
-shift). Each module exposes ``register(subparsers)``; every
+``cache`` (warm, ls, verify, evict), ``snapshot`` (ls, drop), ``batch`` (the offline shift)
+and ``deploy`` (a Kubernetes manifest). Each module exposes ``register(subparsers)``; every
 subcommand sets ``func(args) -> int``, the exit code.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ember.cli import batch, cache, rollout, serve, snapshot
+from ember.cli import batch, cache, deploy, rollout, serve, snapshot
 from ember.errors import ConfigError
 
 
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``ember`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="ember", description="Serverless model serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
-    for family in (serve, rollout, cache, snapshot, batch):
+    for family in (serve, rollout, cache, snapshot, batch, deploy):
         family.register(sub)
     return parser
 

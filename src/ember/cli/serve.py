@@ -1,4 +1,7 @@
-"""``ember run``, ``status``, ``warm`` and ``plan``: serve an app and talk to a served one."""
+"""``ember run``, ``status``, ``warm`` and ``plan``: serve an app and talk to a served one.
+
+``plan --rps --p99-ms`` needs no server: it works from the committed measurements.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,15 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from ember import settings
-from ember.platform.runtime import DEFAULT_HOST, default_port
+from ember.errors import ConfigError
+from ember.platform import capacity
+from ember.platform.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.platform.targets import load_app
 
 
@@ -130,12 +136,56 @@ def plan_rows(status: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.rps is not None or args.p99_ms is not None:
+        return _plan_offline(args)
     status = _get_status(args.url)
     if status is None:
         return 2
     rows = plan_rows(status)
     print(_table(rows))
     return 1 if any(r[3] == "misses" for r in rows[1:]) else 0
+
+
+#: Where the committed measurements live in a source checkout (``bench/results``).
+RESULTS_DIR = Path("bench") / "results"
+
+
+def results_file(given: Path | None, name: str) -> Path:
+    """``given``, else ``bench/results/NAME`` under the current directory or the checkout
+    Ember runs from.
+
+    Raises:
+        ConfigError: no such file; the message says which flag points at one.
+    """
+    if given is not None:
+        candidates = [given]
+    else:
+        checkout = Path(__file__).resolve().parents[3]
+        candidates = [RESULTS_DIR / name, checkout / RESULTS_DIR / name]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(f"no measurements at {candidates[0]}: run bench/{name.split('.')[0]}.py "
+                      "or point --from / --coldstart at its results")
+
+
+def _plan_offline(args: argparse.Namespace) -> int:
+    """``plan --rps --p99-ms``: replicas and nodes from the committed measurements."""
+    if args.rps is None or args.p99_ms is None:
+        raise ConfigError("plan needs both --rps and --p99-ms to work from a latency target")
+    curve_data = json.loads(results_file(args.curve_file, "batching_curve.json").read_text())
+    cold_data = json.loads(results_file(args.coldstart_file, "coldstart.json").read_text())
+    curve = capacity.curve_from_results(curve_data, args.curve)
+    # Defaults describe the machine and the replica the curve was measured on.
+    node_cpus = args.node_cpus or float(curve_data.get("host", {}).get("cpus", 1))
+    replica_cpus = args.replica_cpus or float(curve_data.get("config", {}).get("torch_threads", 1))
+    plan = capacity.plan_capacity(
+        curve, rps=args.rps, p99_ms=args.p99_ms, node_cpus=node_cpus, replica_cpus=replica_cpus,
+        edge_cpus=EDGE_NUM_CPUS, utilization=args.utilization, max_wait_ms=args.max_wait_ms,
+        cold_paths=capacity.cold_paths_from_results(cold_data),
+    )
+    print(capacity.render_plan(plan, rps=args.rps, p99_target_ms=args.p99_ms))
+    return 0
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
@@ -247,6 +297,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     shadow.add_argument("--off", action="store_true", help="stop copying")
     shadow.add_argument("--url", default=url)
     shadow.set_defaults(func=cmd_shadow)
-    plan = sub.add_parser("plan", help="does each deployment meet its cold-start budget?")
+    plan = sub.add_parser(
+        "plan", help="does each deployment meet its cold-start budget? With --rps and "
+        "--p99-ms: replicas and nodes for a latency target, from the measurements")
     plan.add_argument("--url", default=url)
+    plan.add_argument("--rps", type=float, default=None, help="requests per second to serve")
+    plan.add_argument("--p99-ms", type=float, default=None, help="p99 latency target")
+    plan.add_argument("--from", dest="curve_file", type=Path, default=None,
+                      help="batching results (default: bench/results/batching_curve.json)")
+    plan.add_argument("--coldstart", dest="coldstart_file", type=Path, default=None,
+                      help="cold-start results (default: bench/results/coldstart.json)")
+    plan.add_argument("--curve", default="batched", help="which fitted curve (default: the "
+                      "batched flagship)")
+    plan.add_argument("--node-cpus", type=float, default=None,
+                      help="CPUs per node (default: the measuring machine's)")
+    plan.add_argument("--replica-cpus", type=float, default=None,
+                      help="CPUs a busy replica uses (default: the measured torch threads)")
+    plan.add_argument("--utilization", type=float, default=0.7,
+                      help="load per replica as a share of its full throughput")
+    plan.add_argument("--max-wait-ms", type=float, default=5.0,
+                      help="the batch's max_wait_ms (the flagship's: 5)")
     plan.set_defaults(func=cmd_plan)

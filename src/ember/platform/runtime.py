@@ -73,6 +73,11 @@ COLD_START_SETTINGS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.05"}
 #: Environment of a Ray worker that calls deployment handles from sync code.
 SYNC_HANDLE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
+#: CPUs each edge and each warm-pool replica reserves: small, so they fit beside the models
+#: (cluster manifests size their nodes with these too, see ``platform/k8s.py``).
+EDGE_NUM_CPUS = 0.1
+POOL_NUM_CPUS = 0.1
+
 
 def default_port() -> int:
     """``EMBER_PORT`` or 8000."""
@@ -92,7 +97,9 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         options[spec.name] = opts
         deployment = serve.deployment(**to_ray_options(opts, name=spec.name))(replica_class(spec))
         handles[spec.name] = deployment.bind()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    # Nodes that can run an edge: a head started with no CPUs (as on Kubernetes) cannot.
+    nodes = [n for n in ray.nodes()  # type: ignore[no-untyped-call]
+             if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
     edges, per_node = edge_placement(len(nodes))
     edge = serve.deployment(
         name=EDGE_DEPLOYMENT,
@@ -100,7 +107,7 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         max_replicas_per_node=per_node,
         # Nothing calls an edge through Serve; its requests arrive on its own socket.
         max_ongoing_requests=1,
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": EDGE_NUM_CPUS},
         logging_config=serve_logging(),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=DRAIN_S + 5,
@@ -130,7 +137,7 @@ def _pool_deployment(app: App, *, gpu: bool = False) -> Any:
         num_replicas=app.warm_pool,
         # Requests reach the pool only while a deployment is cold; it must not queue them.
         max_ongoing_requests=512,
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": POOL_NUM_CPUS},
         logging_config=serve_logging(),
         # Preloading runs setup() of every preloaded deployment before the pool is ready.
         health_check_timeout_s=60,

@@ -1,0 +1,186 @@
+"""Two Ray nodes on this machine, joined through ``RAY_ADDRESS``: replicas and edges on both.
+
+``ray.cluster_utils.Cluster`` starts a head and a worker raylet, each with a custom resource
+(``node-a``, ``node-b``) that names it; Ember joins the cluster as it joins any existing one
+(``RAY_ADDRESS``), and the test reads from Serve's controller which node holds each replica.
+
+This test needs a pytest run of its own: a process joins one Ray cluster, and the session
+cluster of the other integration tests is a different one (the Makefile runs it separately).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import ember
+from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
+from ember.platform.http.edge import EDGE_DEPLOYMENT
+from ember.platform.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
+
+from apps.two_nodes import app
+from support import free_port, wait_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster_url() -> Iterator[str]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ember.platform import runtime
+
+    if ray.is_initialized():
+        pytest.skip("needs a pytest run of its own: this process already joined a Ray cluster")
+    with pytest.MonkeyPatch.context() as patch:
+        # The nodes' processes inherit this environment: the code is "installed" on both
+        # nodes, and Ray Serve runs with the settings Ember gives the clusters it starts.
+        paths = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
+        patch.setenv("PYTHONPATH", os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
+        for name, value in {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS,
+                            **LOCAL_CLUSTER_ENV}.items():
+            patch.setenv(name, value)
+        # Both nodes and this driver advertise loopback, as a local cluster does (and as
+        # separate machines would advertise their own addresses).
+        use_loopback_node_ip()
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"node-a": 1}, "node_ip_address": LOOPBACK,
+            "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=1, resources={"node-b": 1}, node_ip_address=LOOPBACK)
+            cluster.wait_for_nodes()
+            patch.setenv("RAY_ADDRESS", cluster.address)
+            url = ember.serve(app, port=free_port())
+            wait_for(lambda: _get(f"{url}/readyz") == 200, 120, what="the app to be ready")
+            yield url
+        finally:
+            if ray.is_initialized():
+                runtime.shutdown()
+            cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+def _get(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def node_labels() -> dict[str, str]:
+    """Ray node id -> the custom resource that names the node."""
+    import ray
+
+    labels = {}
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        names = [r for r in node["Resources"] if r.startswith("node-")]
+        if node["Alive"] and names:
+            labels[node["NodeID"]] = names[0]
+    return labels
+
+
+def placed(deployment: str) -> list[str]:
+    """The node label of each running replica of ``deployment``."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    assert client is not None
+    details: dict[str, Any] = client.get_serve_details()
+    rows = details["applications"][app.name]["deployments"][deployment]["replicas"]
+    labels = node_labels()
+    return sorted(labels[r["node_id"]] for r in rows if str(r["state"]).endswith("RUNNING"))
+
+
+class Load:
+    """Requests that each hold a replica for a while, from a few threads, until stopped."""
+
+    def __init__(self, url: str, threads: int = 6, sleep_s: float = 1.0) -> None:
+        self.url, self.sleep_s = url, sleep_s
+        self.codes: list[int] = []
+        self.nodes: set[str] = set()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                reply = client.post(f"{self.url}/where", json={"sleep_s": self.sleep_s})
+                self.codes.append(reply.status_code)
+                if reply.status_code == 200:
+                    self.nodes.add(reply.json()["node_id"])
+
+
+def edges_on_both_nodes() -> None:
+    # /readyz answers once one edge listens; the other may start a moment later.
+    wait_for(lambda: placed(EDGE_DEPLOYMENT) == ["node-a", "node-b"], 60,
+             what="an edge on each node")
+
+
+def test_an_edge_runs_on_each_node(cluster_url: str) -> None:
+    edges_on_both_nodes()
+
+
+def test_replicas_spread_over_both_nodes_scale_to_zero_and_come_back(cluster_url: str) -> None:
+    with Load(cluster_url) as load:
+        wait_for(lambda: placed("Where") == ["node-a", "node-b"], 90,
+                 what="a replica of Where on each node")
+        wait_for(lambda: len(load.nodes) == 2, 30, what="answers from both nodes")
+    assert load.codes and set(load.codes) == {200}
+    assert {node_labels()[n] for n in load.nodes} == {"node-a", "node-b"}
+
+    wait_for(lambda: placed("Where") == [], 60, what="Where to scale to zero")
+    started = time.monotonic()
+    reply = httpx.post(f"{cluster_url}/where", json={}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert node_labels()[reply.json()["node_id"]] in {"node-a", "node-b"}
+    assert time.monotonic() - started < 60
+    assert len(placed("Where")) == 1
+
+
+def test_the_kubernetes_serve_config_deploys_the_app_on_the_cluster(cluster_url: str) -> None:
+    """What KubeRay does with ``serveConfigV2``: submit it to Serve, which builds the app."""
+    import yaml
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from ember.platform import k8s
+
+    serve.delete(app.name)
+    port = free_port()
+    shape = k8s.ClusterShape(image="unused", host=LOOPBACK, port=port)
+    manifest = k8s.rayservice(app, "apps.two_nodes:app", shape, environ={},
+                              ray_version=ray_version())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    client = _get_global_client()
+    assert client is not None
+    client.deploy_apps(ServeDeploySchema.model_validate(config))
+    url = f"http://{LOOPBACK}:{port}"
+    wait_for(lambda: _get(f"{url}/readyz") == 200, 120, what="the app built from the config")
+    edges_on_both_nodes()
+    reply = httpx.post(f"{url}/where", json={}, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+def ray_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("ray")
