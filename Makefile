@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# Two pytest runs: the e2e tests start `ember run`, which starts its own Ray cluster, so they
-# run after the session cluster of the integration tests is gone (one cluster at a time).
+# Three pytest runs, one Ray cluster each: the session cluster of the unit and integration
+# tests; the two-node cluster of tests/integration/test_two_nodes*.py (a process joins one
+# cluster); and the e2e tests, which start `ember run` and so a cluster of its own.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*'
+	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py
 	$(BIN)/python -m pytest tests/e2e
 
 lint: $(STAMP)
