@@ -53,6 +53,10 @@ class Settings(BaseSettings):
         None, ge=0, allow_inf_nan=False, description="overrides every deployment's quiet time"
     )
     access_log: bool = Field(False, description="Ray Serve's per-request access log lines")
+    textgen_model: str | None = Field(
+        None, description="the textgen app's model: a transformers directory or hf://org/name "
+        "from the local cache; unset: the shipped TinyLM",
+    )
     # -- who may call ------------------------------------------------------------------------
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")

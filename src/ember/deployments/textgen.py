@@ -12,10 +12,10 @@ The model is Ember's own ``ember-tinylm-byte``: a 0.8M-parameter byte-level tran
 trained for five minutes on Python's documentation (``bench/train_textgen.py``), shipped in
 the package and loaded through ``ember.loaders`` by a ``file://`` URL. It is small and its
 text is only Python-doc-flavoured babble; the serving around it is the real thing.
-``load_backend("/models/qwen")`` (a local ``transformers`` model directory, or an
+``EMBER_TEXTGEN_MODEL=/models/qwen`` (a local ``transformers`` model directory, or an
 ``hf://org/name`` entry already in the Hugging Face cache; nothing is downloaded) gives the
-same engine a real model: a deployment whose ``setup`` builds ``Generator(load_backend(dir),
-ENGINE)`` serves it with the same routes.
+same engine and routes a real model, named after its directory or repository; in code,
+``Generator(load_backend(dir), ENGINE)`` does the same in a deployment of your own.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import ember
-from ember import loaders
+from ember import loaders, settings
 from ember.deployments._textgen_backend import Backend, TinyLMBackend, TransformersBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
@@ -56,6 +56,18 @@ def load_backend(model: str | None = None) -> Backend:
         repo, _, revision = model.removeprefix("hf://").partition("@")
         model = snapshot_download(repo, revision=revision or None, local_files_only=True)
     return TransformersBackend.from_directory(model)
+
+
+def served_model() -> tuple[str | None, str]:
+    """Where the app's model is (None: the shipped TinyLM) and the name clients call it by,
+    from ``EMBER_TEXTGEN_MODEL``: ``hf://org/tiny@main`` is called ``org/tiny``, a directory
+    by its name."""
+    model = settings.load().textgen_model
+    if model is None:
+        return None, MODEL_NAME
+    if model.startswith("hf://"):
+        return model, model.removeprefix("hf://").partition("@")[0]
+    return model, Path(model).name
 
 
 def chat_prompt(messages: list[Any]) -> str:
@@ -113,7 +125,7 @@ class TextGen:
     """One continuous-batching engine per replica."""
 
     def setup(self) -> None:
-        self.generator = Generator(load_backend(), ENGINE)
+        self.generator = Generator(load_backend(served_model()[0]), ENGINE)
 
     def warmup(self) -> None:
         self.generator.warmup()
@@ -127,7 +139,8 @@ class TextGen:
 app = ember.App(
     [TextGen],
     name="textgen",
-    protocols=[OpenAIGeneration(deployment="TextGen", attr="generate", model=MODEL_NAME)],
+    protocols=[OpenAIGeneration(deployment="TextGen", attr="generate",
+                                model=served_model()[1])],
     curl=("curl -sN {url}/v1/completions -H 'content-type: application/json' -d "
           "'{{\"model\": \"ember-tinylm-byte\", \"prompt\": \"Return the\", \"max_tokens\": 32, "
           "\"stream\": true}}'"),

@@ -69,3 +69,15 @@ def test_a_local_transformers_model_batched_equals_its_own_greedy_generate(
 def test_missing_model_directory_is_not_downloaded(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         TransformersBackend.from_directory(tmp_path / "nothing-here")
+
+
+def test_the_textgen_app_serves_the_model_ember_textgen_model_names(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.deployments.textgen import load_backend, served_model
+
+    monkeypatch.setenv("EMBER_TEXTGEN_MODEL", str(model_dir))
+    where, name = served_model()
+    assert (where, name) == (str(model_dir), model_dir.name)
+    assert isinstance(load_backend(where), TransformersBackend)
+    monkeypatch.setenv("EMBER_TEXTGEN_MODEL", "hf://org/tiny@main")
+    assert served_model() == ("hf://org/tiny@main", "org/tiny")
