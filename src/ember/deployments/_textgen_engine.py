@@ -141,7 +141,7 @@ class _Seq:
             return
         self.new.append(token)
         self.tokens.append(token)
-        if token == eos:
+        if token == eos and not self.params.ignore_eos:
             self.finish = "stop"
             return
         self.stop_text.add(self.detok.push(token))

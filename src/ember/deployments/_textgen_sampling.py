@@ -21,6 +21,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    #: Decode to ``max_tokens`` past the end-of-sequence token (vLLM's ``ignore_eos``).
+    ignore_eos: bool = False
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,

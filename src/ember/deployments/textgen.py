@@ -97,7 +97,8 @@ class Generator:
 
     async def stream(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, seed=body.seed, stop=tuple(body.stop))
+                                top_p=body.top_p, seed=body.seed, stop=tuple(body.stop),
+                                ignore_eos=body.ignore_eos)
         async for chunk in self.engine.generate(self.prompt_of(body), params):
             yield {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,

@@ -240,3 +240,19 @@ def test_a_failed_step_fails_its_sequences_and_the_engine_serves_on(model: TinyL
         await eng.close()
 
     asyncio.run(scenario())
+
+
+def test_ignore_eos_decodes_past_the_end_of_sequence_token(model: TinyLM) -> None:
+    first = reference(model, encode("Return the"), 1)[0]
+
+    async def run(**extra: object) -> list[Chunk]:
+        eng = engine(model)
+        eng.backend.eos_token_id = first  # the model's very first token ends the sequence
+        chunks = await collect(eng.generate(encode("Return the"), greedy(12, **extra)))
+        await eng.close()
+        return chunks
+
+    stopped, ignored = asyncio.run(run()), asyncio.run(run(ignore_eos=True))
+    assert (stopped[-1].finish_reason, stopped[-1].completion_tokens) == ("stop", 1)
+    assert (ignored[-1].finish_reason, ignored[-1].completion_tokens) == ("length", 12)
+    assert [t for c in ignored for t in c.token_ids] == reference(model, encode("Return the"), 12)

@@ -68,6 +68,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None
+    #: vLLM's extension: decode to max_tokens past the end-of-sequence token, as serving
+    #: benchmarks do to control output lengths.
+    ignore_eos: bool = False
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -97,6 +100,7 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=4)
+    ignore_eos: bool = False
 
 
 class GenerationMetrics:
@@ -208,7 +212,8 @@ class OpenAIGeneration(Protocol):
     def _generate_request(self, body: CompletionRequest | ChatCompletionRequest
                           ) -> GenerateRequest:
         fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
-                                  "seed": body.seed, "stop": body.stops()}
+                                  "seed": body.seed, "stop": body.stops(),
+                                  "ignore_eos": body.ignore_eos}
         if isinstance(body, ChatCompletionRequest):
             fields["messages"] = body.messages
             limit = body.max_completion_tokens or body.max_tokens
