@@ -144,12 +144,17 @@ class _Timing:
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         now = time.monotonic()
+        tokens = int(chunk["completion_tokens"])
         if self.first is None:
             self.first = now
             self.metrics.ttft.labels(self.model).observe(now - self.started)
-        else:
-            self.metrics.itl.labels(self.model).observe(now - self.last)
-        self.last, self.tokens = now, int(chunk["completion_tokens"])
+        elif tokens > self.tokens:
+            # A chunk may carry several tokens (the replica merges what waited for a slow
+            # stream); each counts once, with its share of the gap.
+            new = tokens - self.tokens
+            for _ in range(new):
+                self.metrics.itl.labels(self.model).observe((now - self.last) / new)
+        self.last, self.tokens = now, tokens
         self.metrics.running.labels(self.model).set(chunk["running"])
         self.metrics.waiting.labels(self.model).set(chunk["waiting"])
         if chunk["finish_reason"] is not None:
