@@ -25,12 +25,13 @@ import pytest
 
 import ember
 from ember.cli import main
+from ember.cli.cache_nodes import Node, collect, submit
 from ember.loaders import LoaderConfig, list_snapshots
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.http.edge import EDGE_DEPLOYMENT
 from ember.platform.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
 
-from apps.two_nodes import app
+from apps.two_nodes import app, near_app
 from loaders.origins import HttpOrigin, handler_for, make_weights, s3_options
 from support import free_port, wait_for
 
@@ -259,7 +260,8 @@ def test_cache_warm_all_nodes_fills_each_node_and_the_origin_serves_the_bytes_on
     capsys.readouterr()
     assert main(["cache", "warm", url, "--snapshot", "v1", "--all-nodes"]) == 0
     out = capsys.readouterr().out
-    print(out)
+    with capsys.disabled():  # the per-node lines, fill times included, in the run's log
+        print(out)
     labels = node_labels()
     lines = {labels[node]: line for line in out.splitlines() for node in labels
              if line.startswith(f"node {node} ")}
@@ -302,3 +304,29 @@ def test_cache_warm_all_nodes_names_the_node_whose_fill_failed(
     captured = capsys.readouterr()
     assert f"node {node_b} " in captured.out and "failed:" in captured.out
     assert captured.err.strip().endswith(f"failed on 1 of 2 node(s): {node_b}"), captured.err
+
+
+def test_a_replica_from_zero_starts_on_the_node_that_holds_its_snapshot(
+    cluster_url: str, stores: Stores, tmp_path: Path
+) -> None:
+    """Each snapshot is on one node only; each deployment's first replica starts there."""
+    from ray import serve
+
+    make_weights(tmp_path / "model.safetensors", n=4, width=1024)
+    url = stores.origin.put("near/model.safetensors",
+                            (tmp_path / "model.safetensors").read_bytes())
+    by_label = {label: node for node, label in node_labels().items()}
+    versions = {"on-b": "near-b", "on-a": "near-a"}
+    for route, label in (("on-b", "node-b"), ("on-a", "node-a")):
+        node = Node(by_label[label], LOOPBACK)
+        assert collect(submit([node], url, cache_dir=None, regional=None,
+                              snapshot=versions[route])) == []
+    serve.delete(app.name)  # room on both nodes
+    near = ember.serve(near_app(url, versions), port=free_port())
+    wait_for(lambda: _get(f"{near}/readyz") == 200, 60, what="the near app to be ready")
+    for route, label in (("on-b", "node-b"), ("on-a", "node-a")):
+        reply = httpx.post(f"{near}/{route}", json={}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert node_labels()[body["node_id"]] == label, (route, body)
+        assert body["restored"], body  # it mapped the snapshot it was placed for
