@@ -31,7 +31,7 @@ from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_lo
 from ember.platform.http.edge import EDGE_DEPLOYMENT
 from ember.platform.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
 
-from apps.two_nodes import app, near_app
+from apps.two_nodes import app, near_app, survivor_app
 from loaders.origins import HttpOrigin, handler_for, make_weights, s3_options
 from support import free_port, wait_for
 
@@ -83,7 +83,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
 
 
 @pytest.fixture(scope="module")
-def cluster_url(stores: Stores) -> Iterator[str]:
+def cluster(stores: Stores) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -114,13 +114,18 @@ def cluster_url(stores: Stores) -> Iterator[str]:
             cluster.wait_for_nodes()
             patch.delenv("EMBER_CACHE_DIR")  # the test process is neither node
             patch.setenv("RAY_ADDRESS", cluster.address)
-            url = ember.serve(app, port=free_port())
-            wait_for(lambda: _get(f"{url}/readyz") == 200, 120, what="the app to be ready")
-            yield url
+            yield cluster
         finally:
             if ray.is_initialized():
                 runtime.shutdown()
             cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture(scope="module")
+def cluster_url(cluster: Any) -> str:
+    url: str = ember.serve(app, port=free_port())
+    wait_for(lambda: _get(f"{url}/readyz") == 200, 120, what="the app to be ready")
+    return url
 
 
 def _get(url: str) -> int | None:
@@ -142,16 +147,17 @@ def node_labels() -> dict[str, str]:
     return labels
 
 
-def placed(deployment: str) -> list[str]:
-    """The node label of each running replica of ``deployment``."""
+def placed(deployment: str, app_name: str = app.name) -> list[str]:
+    """The node label of each running replica of ``deployment`` ("dead": on a lost node)."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client()
     assert client is not None
     details: dict[str, Any] = client.get_serve_details()
-    rows = details["applications"][app.name]["deployments"][deployment]["replicas"]
+    rows = details["applications"][app_name]["deployments"][deployment]["replicas"]
     labels = node_labels()
-    return sorted(labels[r["node_id"]] for r in rows if str(r["state"]).endswith("RUNNING"))
+    return sorted(labels.get(r["node_id"], "dead") for r in rows
+                  if str(r["state"]).endswith("RUNNING"))
 
 
 class Load:
@@ -177,7 +183,11 @@ class Load:
     def _run(self) -> None:
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
-                reply = client.post(f"{self.url}/where", json={"sleep_s": self.sleep_s})
+                try:
+                    reply = client.post(f"{self.url}/where", json={"sleep_s": self.sleep_s})
+                except httpx.HTTPError:
+                    self.codes.append(0)  # no answer at all (e.g. its edge's node died)
+                    continue
                 self.codes.append(reply.status_code)
                 if reply.status_code == 200:
                     self.nodes.add(reply.json()["node_id"])
@@ -330,3 +340,35 @@ def test_a_replica_from_zero_starts_on_the_node_that_holds_its_snapshot(
         body = reply.json()
         assert node_labels()[body["node_id"]] == label, (route, body)
         assert body["restored"], body  # it mapped the snapshot it was placed for
+
+
+def test_a_lost_node_fails_under_1pc_of_requests_and_its_replicas_come_back(
+    cluster: Any, cluster_url: str
+) -> None:
+    """Kill node-b's raylet under load: node-a's edge and replicas carry on, and the lost
+    replica is started again on node-a. Last in the module: node-b stays dead."""
+    import signal
+
+    from ray import serve
+
+    for name in serve.status().applications:
+        serve.delete(name)  # the earlier tests' apps: room on node-a for both replicas
+    url = ember.serve(survivor_app, port=free_port())
+    wait_for(lambda: _get(f"{url}/readyz") == 200, 60, what="the survivor app")
+    wait_for(lambda: placed("Where", survivor_app.name) == ["node-a", "node-b"], 60,
+             what="a replica on each node")
+    [node_b] = cluster.worker_nodes
+    with Load(url, threads=4, sleep_s=0.05) as load:
+        wait_for(lambda: len(load.codes) >= 100, 60, what="load before the kill")
+        killed = time.monotonic()
+        os.kill(node_b.all_processes["raylet"][0].process.pid, signal.SIGKILL)
+        wait_for(lambda: placed("Where", survivor_app.name) == ["node-a", "node-a"], 60,
+                 what="the lost replica back on node-a")
+        back_s = time.monotonic() - killed
+        sent = len(load.codes)
+        wait_for(lambda: len(load.codes) >= sent + 100, 30, what="load after the recovery")
+    ok = load.codes.count(200) / len(load.codes)
+    print(f"node lost: {len(load.codes)} requests, {ok:.2%} answered 200, "
+          f"replica back on node-a in {back_s:.1f} s")
+    assert ok >= 0.99, sorted(set(load.codes))
+    assert back_s < 60

@@ -63,3 +63,11 @@ def near_app(weights: str, versions: dict[str, str]) -> ember.App:
             route=f"/{route}", num_cpus=0.25, warm_floor=0, max_replicas=1,
             scaledown_after_s=1.0, snapshot_url=weights, snapshot_version=version)(cls))
     return ember.App(deployments, name="near", warm_pool=0)
+
+
+# Two replicas kept up (a floor of two), a quarter CPU each: both fit on one node when the
+# other is lost.
+survivor_app = ember.App(
+    [ember.deployment(route="/where", num_cpus=0.25, warm_floor=2, max_replicas=2,
+                      target_queue_depth=4)(type("Where", (), {"__call__": Where.__call__}))],
+    name="survivor", warm_pool=0)
