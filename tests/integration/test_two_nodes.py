@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
@@ -31,7 +32,7 @@ from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_lo
 from ember.platform.http.edge import EDGE_DEPLOYMENT
 from ember.platform.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
 
-from apps.two_nodes import app, near_app, survivor_app
+from apps.two_nodes import app, near_app
 from loaders.origins import HttpOrigin, handler_for, make_weights, s3_options
 from support import free_port, wait_for
 
@@ -66,16 +67,18 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     s3 = s3fs.S3FileSystem(**s3_options(endpoint))
-    s3.mkdir("ember-regional")
+    # moto's servers in one process share their buckets: one of its own per module.
+    regional = f"s3://ember-regional-{uuid.uuid4().hex[:8]}/cache"
+    s3.mkdir(regional.removeprefix("s3://").split("/")[0])
     root = tmp_path_factory.mktemp("two-nodes")
     with pytest.MonkeyPatch.context() as patch:
         # Every node's processes reach the regional tier as a node would: through its
         # environment (credentials, endpoint, EMBER_REGIONAL_CACHE).
         for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                             "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-                            "EMBER_REGIONAL_CACHE": "s3://ember-regional/cache"}.items():
+                            "EMBER_REGIONAL_CACHE": regional}.items():
             patch.setenv(name, value)
-        yield Stores(origin, s3, "s3://ember-regional/cache",
+        yield Stores(origin, s3, regional,
                      {name: root / f"{name}-cache" for name in ("node-a", "node-b")})
     server.shutdown()
     server.server_close()
@@ -281,7 +284,7 @@ def test_cache_warm_all_nodes_fills_each_node_and_the_origin_serves_the_bytes_on
     assert sum("1 from regional" in line for line in lines.values()) == 1, out
     assert all("snapshot " in line and " ready" in line for line in lines.values())
     assert origin_bytes(stores.origin, "weights/model.safetensors") == len(data)
-    assert stores.s3.glob("ember-regional/cache/*/blobs/*")
+    assert stores.s3.glob(f"{stores.regional}/*/blobs/*")
     for name, cache in stores.caches.items():
         [snapshot] = [s for s in list_snapshots(LoaderConfig(cache_dir=cache)) if s.url == url]
         assert snapshot.code_version == "v1" and snapshot.total_bytes == len(data), name
@@ -341,34 +344,3 @@ def test_a_replica_from_zero_starts_on_the_node_that_holds_its_snapshot(
         assert node_labels()[body["node_id"]] == label, (route, body)
         assert body["restored"], body  # it mapped the snapshot it was placed for
 
-
-def test_a_lost_node_fails_under_1pc_of_requests_and_its_replicas_come_back(
-    cluster: Any, cluster_url: str
-) -> None:
-    """Kill node-b's raylet under load: node-a's edge and replicas carry on, and the lost
-    replica is started again on node-a. Last in the module: node-b stays dead."""
-    import signal
-
-    from ray import serve
-
-    for name in serve.status().applications:
-        serve.delete(name)  # the earlier tests' apps: room on node-a for both replicas
-    url = ember.serve(survivor_app, port=free_port())
-    wait_for(lambda: _get(f"{url}/readyz") == 200, 60, what="the survivor app")
-    wait_for(lambda: placed("Where", survivor_app.name) == ["node-a", "node-b"], 60,
-             what="a replica on each node")
-    [node_b] = cluster.worker_nodes
-    with Load(url, threads=4, sleep_s=0.05) as load:
-        wait_for(lambda: len(load.codes) >= 100, 60, what="load before the kill")
-        killed = time.monotonic()
-        os.kill(node_b.all_processes["raylet"][0].process.pid, signal.SIGKILL)
-        wait_for(lambda: placed("Where", survivor_app.name) == ["node-a", "node-a"], 60,
-                 what="the lost replica back on node-a")
-        back_s = time.monotonic() - killed
-        sent = len(load.codes)
-        wait_for(lambda: len(load.codes) >= sent + 100, 30, what="load after the recovery")
-    ok = load.codes.count(200) / len(load.codes)
-    print(f"node lost: {len(load.codes)} requests, {ok:.2%} answered 200, "
-          f"replica back on node-a in {back_s:.1f} s")
-    assert ok >= 0.99, sorted(set(load.codes))
-    assert back_s < 60
