@@ -9,9 +9,11 @@ import torch
 from safetensors.torch import save_file
 
 from ember.cli import build_parser, main
+from ember.cli.cache import Filled
+from ember.cli.cache_nodes import describe_fill
 from ember.cli.serve import parse_traffic, render_status
 from ember.errors import ConfigError
-from ember.loaders import LoaderConfig, list_snapshots, load
+from ember.loaders import LoaderConfig, list_snapshots, load, resolve
 from ember.platform.targets import load_app
 
 
@@ -68,6 +70,21 @@ def test_cache_warm_records_a_snapshot(tmp_path: Path) -> None:
     assert snapshot.code_version == "v1" and snapshot.url == weights.as_uri()
     assert torch.equal(load(weights.as_uri(), config=LoaderConfig(cache_dir=cache))["w"],
                        torch.arange(6, dtype=torch.float32))
+
+
+def test_cache_warm_reports_where_each_file_came_from(tmp_path: Path) -> None:
+    weights = tmp_path / "origin" / "model.safetensors"
+    weights.parent.mkdir()
+    save_file({"w": torch.zeros(4)}, str(weights))
+    args = ["cache", "--cache-dir", str(tmp_path / "cache"), "warm", weights.as_uri()]
+    assert build_parser().parse_args([*args, "--all-nodes"]).all_nodes
+    assert main(args) == 0
+    hit = resolve(weights.as_uri(), config=LoaderConfig(cache_dir=tmp_path / "cache"))
+    assert hit.sources == ("node",)
+    filled = Filled((Path("a"), Path("b")), ("origin", "regional"), 2048, 0.5, "ab" * 32)
+    assert describe_fill(filled) == (
+        "2 file(s), 2048 bytes (1 from origin, 1 from regional) in 0.50 s; "
+        "snapshot abababababab ready")
 
 
 def test_traffic_pairs_become_weights_and_a_malformed_pair_is_refused() -> None:

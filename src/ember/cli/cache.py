@@ -11,6 +11,8 @@ import hashlib
 import re
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="also record this node's snapshot for a deployment's code version (e.g. the "
         "flagship's ember.deployments.embeddings.CODE_VERSION), so replicas map it at once",
     )
+    warm.add_argument(
+        "--all-nodes",
+        action="store_true",
+        help="fill every alive node of the Ray cluster (RAY_ADDRESS), one task per node; "
+        "exits 1 naming the nodes that failed",
+    )
     warm.set_defaults(func=cmd_warm)
     sub.add_parser("ls", help="list cached blobs").set_defaults(func=cmd_ls)
     verify = sub.add_parser("verify", help="re-hash every blob; remove corrupted ones")
@@ -87,11 +95,62 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return _guard(args, _warm)
 
 
+@dataclass(frozen=True)
+class Filled:
+    """What one node's fill did: its files, where their bytes came from, its snapshot."""
+
+    paths: tuple[Path, ...]
+    sources: tuple[str, ...]
+    total_bytes: int
+    seconds: float
+    snapshot_key: str | None = None
+
+
+def fill(
+    url: str,
+    *,
+    cache_dir: Path | None = None,
+    regional: str | None = None,
+    snapshot: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Filled:
+    """Fill this node's cache (and the regional tier) for ``url``; record its snapshot.
+
+    What ``ember cache warm`` runs here, and on each node with ``--all-nodes``.
+
+    Args:
+        url: the weights URL.
+        cache_dir: the node cache; ``None`` reads ``EMBER_CACHE_DIR`` where this runs.
+        regional: the regional tier's URL; ``None`` reads ``EMBER_REGIONAL_CACHE``.
+        snapshot: a deployment's code version whose snapshot to record, or ``None``.
+        progress: optional ``(bytes_done, bytes_total)`` callback, per file.
+
+    Returns:
+        A :class:`Filled`.
+
+    Raises:
+        WeightsError: the weights could not be fetched, verified or cached.
+    """
+    started = time.monotonic()
+    extra = {"regional_cache": regional} if regional else {}
+    weights = resolve(url, config=LoaderConfig(cache_dir=cache_dir, **extra), progress=progress)
+    key = None
+    if snapshot is not None:
+        info = preload_snapshot(url, code_version=snapshot,
+                                config=LoaderConfig(cache_dir=cache_dir))
+        key = info.key
+    total = sum(path.stat().st_size for path in weights.paths)
+    return Filled(weights.paths, weights.sources, total, time.monotonic() - started, key)
+
+
 def _warm(args: argparse.Namespace) -> int:
+    if args.all_nodes:
+        from ember.cli.cache_nodes import warm_all_nodes
+
+        return warm_all_nodes(args.url, cache_dir=args.cache_dir, regional=args.regional,
+                              snapshot=args.snapshot)
     from tqdm import tqdm  # no stubs; ships with huggingface-hub
 
-
-    extra = {"regional_cache": args.regional} if args.regional else {}
     with tqdm(unit="B", unit_scale=True, desc="warm", file=sys.stderr) as bar:
         state = {"done": 0}
 
@@ -104,13 +163,13 @@ def _warm(args: argparse.Namespace) -> int:
             bar.update(done - state["done"])
             state["done"] = done
 
-        weights = resolve(args.url, config=_config(args, **extra), progress=progress)
-    for path in weights.paths:
+        filled = fill(args.url, cache_dir=args.cache_dir, regional=args.regional,
+                      snapshot=args.snapshot, progress=progress)
+    for path in filled.paths:
         print(path)
-    if args.snapshot is not None:
-
-        info = preload_snapshot(args.url, code_version=args.snapshot, config=_config(args))
-        print(f"snapshot {info.key[:12]} ({info.total_bytes} bytes) ready on this node")
+    if filled.snapshot_key is not None:
+        print(f"snapshot {filled.snapshot_key[:12]} ({filled.total_bytes} bytes) ready on "
+              "this node")
     return 0
 
 

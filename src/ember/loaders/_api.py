@@ -32,11 +32,14 @@ class LocalWeights:
         paths: one snapshot link per file (``.../snapshots/<version>/<name>``), in order;
             each resolves to an immutable, verified blob.
         weight_map: tensor name -> file name for a sharded checkpoint, else ``None``.
+        sources: where each file's bytes came from, in order: ``"node"`` (already in the
+            node cache), ``"regional"`` or ``"origin"``.
     """
 
     url: str
     paths: tuple[Path, ...]
     weight_map: dict[str, str] | None = None
+    sources: tuple[str, ...] = ()
 
     def load(self, *, device: str = "cpu", config: ConfigLike = None) -> dict[str, torch.Tensor]:
         """Map every file (no copy on CPU) and return its tensors.
@@ -190,6 +193,7 @@ def resolve(
     node = NodeTier(cfg)
     regional = regional_tier(cfg)
     paths: list[Path] = []
+    sources: list[str] = []
     try:
         for name in target.files:
             key, outcome = obtain(node, target.source, name, progress)
@@ -199,14 +203,16 @@ def resolve(
                 hit = outcome.hit
                 if hit is None:
                     raise SourceError("fill finished without publishing", url=url)
+                sources.append(outcome.tier)
             else:
                 hit = outcome
                 if regional is not None and regional.lookup(key) is None:
                     regional.publish_file(key, hit.path, hit.record)
+                sources.append("node")
             paths.append(hit.link)
     finally:
         target.source.close()
-    return LocalWeights(url, tuple(paths), target.weight_map)
+    return LocalWeights(url, tuple(paths), target.weight_map, tuple(sources))
 
 
 def cache_root(config: ConfigLike = None) -> Path:

@@ -73,6 +73,11 @@ class Fill:
         return record if record is not None and record.size == self.info.size else None
 
     @property
+    def tier(self) -> str:
+        """Where the bytes come from: ``"regional"`` or ``"origin"`` (once :meth:`run` began)."""
+        return "regional" if self._from_regional else "origin"
+
+    @property
     def header(self) -> Header:
         """The validated header (available once :meth:`run` has started)."""
         if self.reader is None:

@@ -66,6 +66,8 @@ class DeploymentKwargs(TypedDict, total=False):
     warm_schedule: list[str]
     warm_schedule_tz: str
     retry_on_replica_loss: bool
+    snapshot_url: str | None
+    snapshot_version: str
     max_start_attempts: int
     health_check_period_s: float
     health_check_timeout_s: float
@@ -128,6 +130,14 @@ class DeploymentOptions(BaseModel):
         description="Retry a request once on another replica if its replica died mid-call "
         "(inference is idempotent; turn off for handlers with side effects).",
     )
+    snapshot_url: str | None = Field(
+        default=None,
+        description="Weights URL whose node snapshot the replicas map: a new replica prefers "
+        "a node that holds it (`ember cache warm URL --snapshot VERSION --all-nodes`).",
+    )
+    snapshot_version: str = Field(
+        default="", description="Code version of that snapshot, as given to --snapshot."
+    )
     max_start_attempts: PositiveInt = Field(
         default=3, description="Failed replica starts in a row before callers get 503."
     )
@@ -180,6 +190,11 @@ class DeploymentOptions(BaseModel):
             raise ValueError(
                 f"max_ongoing_requests ({self.max_ongoing_requests}) must be at least "
                 f"target_queue_depth ({self.target_queue_depth}), or the target is unreachable"
+            )
+        if self.snapshot_version and self.snapshot_url is None:
+            raise ValueError(
+                f"snapshot_version ({self.snapshot_version!r}) needs snapshot_url, the weights "
+                "URL it is a snapshot of"
             )
         return self
 
@@ -248,11 +263,15 @@ def check_route(value: str) -> str:
     return value
 
 
-def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
+def to_ray_options(
+    options: DeploymentOptions, *, name: str, placement: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``ray.serve.deployment`` that implement ``options``.
 
     Ray's own delays are zeroed: the Ember policy owns all timing (``scaledown_after_s``),
     so that it can be tested as a pure function and no second timer stacks on top of it.
+    ``placement`` adds actor options that steer where replicas start (see
+    ``control/snapshot_placement.py``).
     """
     policy_kwargs = {
         "scaledown_after_s": options.scaledown_after_s,
@@ -270,7 +289,8 @@ def to_ray_options(options: DeploymentOptions, *, name: str) -> dict[str, Any]:
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
         "max_constructor_retry_count": options.max_start_attempts,
-        "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus},
+        "ray_actor_options": {"num_cpus": options.num_cpus, "num_gpus": options.num_gpus,
+                              **(placement or {})},
         "logging_config": serve_logging(),
         "autoscaling_config": {
             "min_replicas": options.warm_floor,

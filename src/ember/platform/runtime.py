@@ -18,9 +18,10 @@ import ray
 from ray import serve
 
 from ember import settings
+from ember.loaders import snapshot_key
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
-from ember.platform.control import warm_runtime
+from ember.platform.control import snapshot_placement, warm_runtime
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.platform.control.replica import replica_class
@@ -92,10 +93,12 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
     """
     handles: dict[str, Any] = {}
     options = {}
+    placements = snapshot_placements(app)
     for spec in app.specs:
         opts = spec.options.with_env_overrides()
         options[spec.name] = opts
-        deployment = serve.deployment(**to_ray_options(opts, name=spec.name))(replica_class(spec))
+        ray_options = to_ray_options(opts, name=spec.name, placement=placements.get(spec.name))
+        deployment = serve.deployment(**ray_options)(replica_class(spec))
         handles[spec.name] = deployment.bind()
     # Nodes that can run an edge: a head started with no CPUs (as on Kubernetes) cannot.
     nodes = [n for n in ray.nodes()  # type: ignore[no-untyped-call]
@@ -124,6 +127,16 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         "keys": ApiKeys.from_env(), "limiter": RateLimiter.from_env(),
     }
     return edge.bind(host, default_port() if port is None else port, state_args)
+
+
+def snapshot_placements(app: App) -> dict[str, dict[str, Any]]:
+    """Deployment name -> actor options preferring the nodes that hold its snapshot."""
+    keys = {spec.name: snapshot_key(spec.options.snapshot_url, spec.options.snapshot_version)
+            for spec in app.specs if spec.options.snapshot_url}
+    if not keys:
+        return {}
+    found = snapshot_placement.holders(sorted(set(keys.values())))
+    return {name: snapshot_placement.prefer_nodes(found[key]) for name, key in keys.items()}
 
 
 def _pool_deployment(app: App, *, gpu: bool = False) -> Any:
