@@ -38,6 +38,7 @@ import httpx
 import psutil
 from common import (
     Budget,
+    HoldForRunTime,
     add_target_options,
     deployment_row,
     finish,
@@ -45,7 +46,7 @@ from common import (
     prepare_run,
     wait_until,
 )
-from locust import FastHttpUser, LoadTestShape, between, events, task
+from locust import FastHttpUser, between, events, task
 from locust.runners import WorkerRunner
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -306,16 +307,10 @@ class ChaosUser(FastHttpUser):
             check_served(resp)
 
 
-class Steady(LoadTestShape):
+class Steady(HoldForRunTime):
     """-u users at -r users/s, held until --run-time (kills or not)."""
 
-    use_common_options = True
-
-    def tick(self) -> tuple[int, float] | None:
-        options = self.runner.environment.parsed_options
-        if STATE.error or self.get_run_time() >= options.run_time_s:
-            return None
-        return options.num_users, options.spawn_rate
+    state = STATE
 
 
 @events.quitting.add_listener

@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
+from locust import LoadTestShape
 
 STATUS_PATH = "/-/status"
 
@@ -218,3 +219,27 @@ def prepare_run(environment: Any, state: Any, *, users: int, spawn_rate: float,
         return None
     return options
 
+
+
+class HoldForRunTime(LoadTestShape):
+    """-u users at -r users/s (locust spawns at that rate) until --run-time, until the
+    scenario's ``state`` has an ``error``, or until :meth:`done`.
+
+    Abstract, so locust never picks it up from an import: a scenario declares its shape as a
+    subclass that names its state (``class Ramp(HoldForRunTime): state = STATE``).
+    """
+
+    abstract = True
+    use_common_options = True
+    state: ClassVar[Any] = None
+
+    def done(self) -> bool:
+        """Whether the scenario is over before --run-time (the default: never)."""
+        return False
+
+    def tick(self) -> tuple[int, float] | None:
+        options = self.runner.environment.parsed_options
+        if getattr(self.state, "error", None) or self.done() or (
+                self.get_run_time() >= options.run_time_s):
+            return None
+        return options.num_users, options.spawn_rate

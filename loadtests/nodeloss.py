@@ -22,8 +22,8 @@ from typing import Any
 
 import gevent
 import psutil
-from common import Budget, add_target_options, finish, prepare_run
-from locust import FastHttpUser, LoadTestShape, between, events, task
+from common import Budget, HoldForRunTime, add_target_options, finish, prepare_run
+from locust import FastHttpUser, between, events, task
 from locust.runners import WorkerRunner
 
 
@@ -92,16 +92,10 @@ class NodeLossUser(FastHttpUser):
                 resp.success()
 
 
-class Hold(LoadTestShape):
+class Hold(HoldForRunTime):
     """-u users for --run-time, the kill somewhere inside it."""
 
-    use_common_options = True
-
-    def tick(self) -> tuple[int, float] | None:
-        options = self.runner.environment.parsed_options
-        if STATE.error or self.get_run_time() >= options.run_time_s:
-            return None
-        return options.num_users, options.spawn_rate
+    state = STATE
 
 
 @events.quitting.add_listener

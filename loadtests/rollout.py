@@ -20,8 +20,16 @@ from typing import Any
 
 import gevent
 import httpx
-from common import Budget, add_target_options, finish, post_ok, prepare_run, wait_until
-from locust import FastHttpUser, LoadTestShape, between, events, task
+from common import (
+    Budget,
+    HoldForRunTime,
+    add_target_options,
+    finish,
+    post_ok,
+    prepare_run,
+    wait_until,
+)
+from locust import FastHttpUser, between, events, task
 from locust.runners import WorkerRunner
 
 #: Load before the rollout starts, and after it ends, so every step meets a steady load.
@@ -115,17 +123,13 @@ class RolloutUser(FastHttpUser):
             resp.success()
 
 
-class UntilTheRolloutEnds(LoadTestShape):
+class UntilTheRolloutEnds(HoldForRunTime):
     """-u users until the rollout ended SETTLE_S ago (or failed to run)."""
 
-    use_common_options = True
+    state = STATE
 
-    def tick(self) -> tuple[int, float] | None:
-        options = self.runner.environment.parsed_options
-        ended = STATE.ended_at is not None and time.monotonic() - STATE.ended_at > SETTLE_S
-        if STATE.error or ended or self.get_run_time() >= options.run_time_s:
-            return None
-        return options.num_users, options.spawn_rate
+    def done(self) -> bool:
+        return STATE.ended_at is not None and time.monotonic() - STATE.ended_at > SETTLE_S
 
 
 @events.quitting.add_listener

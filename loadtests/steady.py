@@ -17,6 +17,7 @@ from typing import Any
 
 from common import (
     Budget,
+    HoldForRunTime,
     add_target_options,
     check_embeddings,
     finish,
@@ -25,7 +26,7 @@ from common import (
     texts,
     wait_until,
 )
-from locust import FastHttpUser, LoadTestShape, between, events, task
+from locust import FastHttpUser, between, events, task
 
 
 @dataclass
@@ -88,20 +89,14 @@ class SteadyUser(FastHttpUser):
             check_embeddings(resp, sent)
 
 
-class Ramp(LoadTestShape):
+class Ramp(HoldForRunTime):
     """Linear ramp to -u users at -r users/s (locust spawns at that rate), then hold.
 
     The whole run, ramp included, lasts --run-time: the budgets cover the ramp too, since
     a service that misbehaves while it scales up misbehaves for its users.
     """
 
-    use_common_options = True
-
-    def tick(self) -> tuple[int, float] | None:
-        options = self.runner.environment.parsed_options
-        if STATE.error or self.get_run_time() >= options.run_time_s:
-            return None
-        return options.num_users, options.spawn_rate
+    state = STATE
 
 
 @events.quitting.add_listener

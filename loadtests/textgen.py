@@ -22,8 +22,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import Budget, add_target_options, finish, post_ok, prepare_run, wait_until
-from locust import HttpUser, LoadTestShape, between, events, task
+from common import (
+    Budget,
+    HoldForRunTime,
+    add_target_options,
+    finish,
+    post_ok,
+    prepare_run,
+    wait_until,
+)
+from locust import HttpUser, between, events, task
 
 MODEL = "ember-tinylm-byte"
 LENGTHS = (8, 16, 32, 64, 128)
@@ -114,16 +122,10 @@ class StreamingUser(HttpUser):
         return None if done else "stream ended without [DONE]"
 
 
-class Ramp(LoadTestShape):
+class Ramp(HoldForRunTime):
     """Linear ramp to -u users at -r users/s, then hold until --run-time."""
 
-    use_common_options = True
-
-    def tick(self) -> tuple[int, float] | None:
-        options = self.runner.environment.parsed_options
-        if STATE.error or self.get_run_time() >= options.run_time_s:
-            return None
-        return options.num_users, options.spawn_rate
+    state = STATE
 
 
 @events.quitting.add_listener
