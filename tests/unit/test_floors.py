@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from ember.app import schedule
 from ember.cli.serve import plan_rows
-from ember.platform.control import floors
-from ember.platform.control.ray_policy import EmberAutoscalingPolicy
+from ember.control import floors
+from ember.control.ray_policy import EmberAutoscalingPolicy
 
 UTC = UTC
 
@@ -22,12 +23,12 @@ def _at(day: int, hour: int, minute: int = 0) -> datetime:
     (_at(23, 8), 1), (_at(23, 19, 59), 1), (_at(23, 20), 0), (_at(23, 7, 59), 0),
     (_at(27, 12), 1), (_at(28, 12), 0), (_at(22, 12), 0)])
 def test_weekday_window(moment: datetime, expected: int) -> None:
-    windows = floors.parse_schedule(["Mon-Fri 08:00-20:00"])
+    windows = schedule.parse_schedule(["Mon-Fri 08:00-20:00"])
     assert floors.scheduled_floor(moment, windows, 1) == expected
 
 
 def test_overnight_window_belongs_to_the_day_it_starts() -> None:
-    windows = floors.parse_schedule(["Fri 22:00-06:00"])
+    windows = schedule.parse_schedule(["Fri 22:00-06:00"])
     assert floors.scheduled_floor(_at(27, 23), windows, 2) == 2   # Friday night
     assert floors.scheduled_floor(_at(28, 5), windows, 2) == 2    # Saturday early morning
     assert floors.scheduled_floor(_at(28, 7), windows, 2) == 0
@@ -35,7 +36,7 @@ def test_overnight_window_belongs_to_the_day_it_starts() -> None:
 
 
 def test_day_lists_and_wraparound_ranges() -> None:
-    windows = floors.parse_schedule(["Sat-Mon 10:00-11:00", "Wed 10:00-11:00"])
+    windows = schedule.parse_schedule(["Sat-Mon 10:00-11:00", "Wed 10:00-11:00"])
     days = {moment.weekday() for moment in (_at(d, 10, 30) for d in range(22, 29))
             if floors.scheduled_floor(moment, windows, 1)}
     assert days == {5, 6, 0, 2}
@@ -44,7 +45,7 @@ def test_day_lists_and_wraparound_ranges() -> None:
 @pytest.mark.parametrize("bad", ["Mon-Fri", "Funday 08:00-09:00", "Mon 25:00-26:00", "8-20"])
 def test_bad_windows_are_refused_with_an_example(bad: str) -> None:
     with pytest.raises(ValueError, match=r"Mon-Fri 08:00-20:00|unknown day|bad time"):
-        floors.parse_schedule([bad])
+        schedule.parse_schedule([bad])
 
 
 def test_lease_holds_until_it_expires() -> None:

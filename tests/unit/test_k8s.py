@@ -15,9 +15,9 @@ from ray.serve.schema import ServeDeploySchema
 
 import ember
 from ember.cli import main
+from ember.cluster import build, k8s, runtime
+from ember.cluster.k8s import ClusterShape, Replica, nodes_needed
 from ember.errors import ConfigError
-from ember.platform import cluster, k8s, runtime
-from ember.platform.k8s import ClusterShape, Replica, nodes_needed
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "rayservice.v1.json").read_text())
 FLAGSHIP = "ember.deployments.embeddings:app"
@@ -88,14 +88,14 @@ def test_the_serve_config_is_one_ray_serve_accepts_and_builds_the_app() -> None:
     config = yaml.safe_load(manifest_of(app, port=9000)["spec"]["serveConfigV2"])
     parsed = ServeDeploySchema.model_validate(config)
     (application,) = parsed.applications
-    assert application.import_path == cluster.IMPORT_PATH
+    assert application.import_path == build.IMPORT_PATH
     assert (application.name, application.route_prefix) == ("embeddings", None)
     assert application.args == {"target": "tests_app:app", "host": "0.0.0.0", "port": 9000}
     assert parsed.proxy_location.value == "Disabled"  # the edges listen instead
 
 
 def test_the_import_path_builds_the_named_app(monkeypatch: pytest.MonkeyPatch) -> None:
-    module, _, attr = cluster.IMPORT_PATH.partition(":")
+    module, _, attr = build.IMPORT_PATH.partition(":")
     builder = getattr(__import__(module, fromlist=[attr]), attr)
     assert len(inspect.signature(builder).parameters) == 1  # what Serve requires
     seen: dict[str, Any] = {}

@@ -26,27 +26,38 @@ def test_public_surface_is_listed() -> None:
 
 def test_imports_run_one_way() -> None:
     # import-linter's contracts live in pyproject.toml: cli -> offline -> platform -> loaders
-    # -> settings -> errors, and ember.platform.control never imports ember.platform.http.
+    # -> settings -> errors, and ember.control never imports ember.edge.
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "2 kept, 0 broken" in out.stdout
+    assert "3 kept, 0 broken" in out.stdout
 
 
-def test_a_module_that_breaks_the_direction_is_caught(tmp_path: Path) -> None:
-    # The contract can fail: the same configuration over a copy of the package in which the
-    # error tree imports the CLI is reported broken.
+def _lint_copy(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """import-linter over a copy of the package in which ``module`` gains ``line``."""
     import shutil
 
     shutil.copytree(ROOT / "src" / "ember", tmp_path / "ember")
-    bad = tmp_path / "ember" / "errors" / "_base.py"
-    bad.write_text(bad.read_text() + "\nimport ember.cli  # noqa\n")
+    bad = tmp_path / "ember" / module
+    bad.write_text(bad.read_text() + f"\n{line}  # noqa\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     lint = Path(sys.executable).with_name("lint-imports")
-    out = subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, capture_output=True,
-                         text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    return subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+
+
+def test_a_module_that_breaks_the_direction_is_caught(tmp_path: Path) -> None:
+    # The contract can fail: the error tree importing the CLI is reported broken.
+    out = _lint_copy(tmp_path, "errors/_base.py", "import ember.cli")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "ember.errors._base -> ember.cli" in out.stdout
+
+
+def test_two_modules_that_import_each_other_are_caught(tmp_path: Path) -> None:
+    # cache.py imports cache_fill.py; the reverse import closes a circle and is reported.
+    out = _lint_copy(tmp_path, "cli/cache_fill.py", "import ember.cli.cache")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "No cycles are allowed in ember.cli" in out.stdout
 
 
 def test_underscore_modules_are_imported_only_inside_their_package() -> None:

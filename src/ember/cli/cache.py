@@ -11,13 +11,12 @@ import hashlib
 import re
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.cli.cache_fill import fill
 from ember.errors import EmberError, UnsafePath
-from ember.loaders import CacheEntry, LoaderConfig, NodeTier, preload_snapshot, resolve
+from ember.loaders import CacheEntry, LoaderConfig, NodeTier
 
 _KEY = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -93,54 +92,6 @@ def _guard(args: argparse.Namespace, run: Any) -> int:
 def cmd_warm(args: argparse.Namespace) -> int:
     """Fill the regional and node tiers for ``args.url`` with a progress bar."""
     return _guard(args, _warm)
-
-
-@dataclass(frozen=True)
-class Filled:
-    """What one node's fill did: its files, where their bytes came from, its snapshot."""
-
-    paths: tuple[Path, ...]
-    sources: tuple[str, ...]
-    total_bytes: int
-    seconds: float
-    snapshot_key: str | None = None
-
-
-def fill(
-    url: str,
-    *,
-    cache_dir: Path | None = None,
-    regional: str | None = None,
-    snapshot: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> Filled:
-    """Fill this node's cache (and the regional tier) for ``url``; record its snapshot.
-
-    What ``ember cache warm`` runs here, and on each node with ``--all-nodes``.
-
-    Args:
-        url: the weights URL.
-        cache_dir: the node cache; ``None`` reads ``EMBER_CACHE_DIR`` where this runs.
-        regional: the regional tier's URL; ``None`` reads ``EMBER_REGIONAL_CACHE``.
-        snapshot: a deployment's code version whose snapshot to record, or ``None``.
-        progress: optional ``(bytes_done, bytes_total)`` callback, per file.
-
-    Returns:
-        A :class:`Filled`.
-
-    Raises:
-        WeightsError: the weights could not be fetched, verified or cached.
-    """
-    started = time.monotonic()
-    extra = {"regional_cache": regional} if regional else {}
-    weights = resolve(url, config=LoaderConfig(cache_dir=cache_dir, **extra), progress=progress)
-    key = None
-    if snapshot is not None:
-        info = preload_snapshot(url, code_version=snapshot,
-                                config=LoaderConfig(cache_dir=cache_dir))
-        key = info.key
-    total = sum(path.stat().st_size for path in weights.paths)
-    return Filled(weights.paths, weights.sources, total, time.monotonic() - started, key)
 
 
 def _warm(args: argparse.Namespace) -> int:

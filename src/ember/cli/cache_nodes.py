@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember.cli.cache import Filled, fill
+from ember.cli.cache_fill import Filled, fill
 
 Print = Callable[[str], None]
 

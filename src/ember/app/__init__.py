@@ -1,0 +1,1 @@
+"""What a developer writes against: the decorator, options, apps, batching, pipelines."""

@@ -1,0 +1,1 @@
+"""Where Ember runs: the embedded cluster or a joined one, KubeRay manifests, capacity plans."""
