@@ -39,6 +39,7 @@ def cmd_run(args: argparse.Namespace, signals: StopSignals = STOP) -> int:
         if signals.stop.is_set():
             return EXIT_OK
         app = load_app(args.target)
+        guard.wait_started()  # before the first process it must not leave behind
         if signals.stop.is_set():
             return EXIT_OK
         return _serve(app, args, signals)

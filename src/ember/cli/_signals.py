@@ -46,10 +46,10 @@ class StopSignals:
         name = signal.Signals(signum).name
         self.received.append(name)
         if len(self.received) == 1:
-            print(f"{name} received: draining (send it again to stop at once)", flush=True)
+            print(f"{name}: draining (a second signal stops at once)", flush=True)
             self.stop.set()
             return
-        print(f"{name} received again: stopping now", file=sys.stderr, flush=True)
+        print(f"{name} again: stopping now", file=sys.stderr, flush=True)
         self.on_second()
 
 

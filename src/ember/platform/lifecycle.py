@@ -8,17 +8,18 @@ have none left in flight.
 
 - in Python, it sets ``SIGTERM`` to ``sys.exit`` as its first step
   (``ray._private.worker.init`` through ``ray._private.utils.set_sigterm_handler``);
-- in C++, creating the driver's core worker (``ray._private.worker.connect``) installs
-  Abseil's failure signal handler for ``SIGTERM`` among others: it prints a
-  ``*** SIGTERM received`` stack, then hands the signal to the previous handler.
+- in C++, the driver's core worker (``ray._raylet.CoreWorker``, created by
+  ``ray._private.worker.connect``) installs Abseil's failure signal handler for ``SIGTERM``
+  among others: it prints a ``*** SIGTERM received`` stack and treats the process as failing
+  (what ``ember run`` once died of, by SIGABRT).
 
-:func:`ray_init_keeps_handlers` keeps the process's own handlers in charge through both:
-Ray's Python-level swap is skipped, and the core worker is created with ``SIGTERM`` and
-``SIGINT`` blocked in the calling thread, after which the process's handlers are put back
-(replacing Abseil's) before the signals are unblocked, so one that arrived meanwhile reaches
-them. Only the core worker's creation runs blocked: no process is started there (the node's
-processes were started before, with the process's usual signal mask), so no Ray process
-inherits the blocked mask; the threads it starts do, which leaves signals to the main thread.
+:func:`ray_init_keeps_handlers` keeps the process's own handlers in charge through both: Ray's
+Python-level swap is skipped, and the process's handlers are put back (replacing Abseil's) the
+moment the core worker's constructor returns. What remains is the inside of that constructor,
+after Abseil's handler went in (it connects to the raylet: a fraction of a second); a signal
+there still meets Abseil's handler. Blocking the signals around it would not close that
+window: the threads Ray started before (its GCS client's) would take the signal instead, and
+blocking them from the start would hand the blocked mask down to every process Ray starts.
 """
 
 from __future__ import annotations
@@ -98,29 +99,29 @@ def drain(app: str, *, edges: int, timeout_s: float,
 def ray_init_keeps_handlers() -> Iterator[None]:
     """Around ``ray.init``: keep this process's SIGTERM and SIGINT handlers (module docstring)."""
     import ray._private.utils as ray_utils
-    import ray._private.worker as ray_worker
+    import ray._raylet
+
+    ray_raylet: Any = ray._raylet  # a compiled module: no types to check against
 
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread has signal handlers to keep
         return
     handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    connect = ray_worker.connect
+    core_worker = ray_raylet.CoreWorker
 
-    def connect_blocked(*args: Any, **kwargs: Any) -> Any:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    def core_worker_then_handlers(*args: Any, **kwargs: Any) -> Any:
         try:
-            return connect(*args, **kwargs)
+            return core_worker(*args, **kwargs)
         finally:
-            _restore(handlers)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+            _restore(handlers)  # replaces Abseil's handler the moment it returns
 
     set_sigterm_handler = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda _handler: None
-    ray_worker.connect = connect_blocked
+    ray_raylet.CoreWorker = core_worker_then_handlers
     try:
         yield
     finally:
-        ray_worker.connect = connect
+        ray_raylet.CoreWorker = core_worker
         ray_utils.set_sigterm_handler = set_sigterm_handler
         _restore(handlers)
 

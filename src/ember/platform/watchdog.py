@@ -44,6 +44,12 @@ class Watchdog:
             self.proc.stdin.flush()
             self.proc.stdout.readline()
 
+    def wait_started(self) -> None:
+        """Wait until the watchdog watches (its own start takes a moment on a busy machine)."""
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdout.readline()
+
     def record(self) -> None:
         """Have the watchdog note every process of the tree now (before a sudden exit)."""
         self._ask(RECORD)
@@ -54,7 +60,10 @@ class Watchdog:
 
 
 def start() -> Watchdog:
-    """Start the watchdog of this process; it lives until this process ends."""
+    """Start the watchdog of this process; it lives until this process ends.
+
+    Returns at once; :meth:`Watchdog.wait_started` waits until it watches.
+    """
     # The pipe's ends are not inheritable (PEP 446): only this process holds the write end,
     # so the watchdog sees end of file exactly when this process is gone.
     proc = subprocess.Popen([sys.executable, "-m", "ember.platform.watchdog", str(os.getpid())],
@@ -96,9 +105,15 @@ def _record(parent: psutil.Process, known: dict[int, psutil.Process], spare: set
 
 def watch(parent_pid: int, commands: IO[bytes], answers: IO[bytes]) -> None:
     """Record ``parent_pid``'s tree until ``commands`` ends, then kill what is left of it."""
-    parent = psutil.Process(parent_pid)
+    try:
+        parent = psutil.Process(parent_pid)
+    except psutil.NoSuchProcess:
+        return  # gone before this started: it waited for nothing, so it started nothing
     known: dict[int, psutil.Process] = {}
     spare = {os.getpid(), parent_pid}
+    _record(parent, known, spare)
+    answers.write(b"ok\n")  # started: see Watchdog.wait_started
+    answers.flush()
     while True:
         ready, _, _ = select.select([commands], [], [], RECORD_EVERY_S)
         _record(parent, known, spare)
