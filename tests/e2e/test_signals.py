@@ -35,8 +35,9 @@ def _start(tmp_path: Path, **env: str) -> tuple[EmberRun, str]:
 async def _sleep_calls(client: httpx.AsyncClient, url: str, seconds: float,
                        count: int) -> list[asyncio.Future[httpx.Response]]:
     """``count`` requests of ``seconds`` each, sent now; returns once all are in flight."""
-    calls = [asyncio.ensure_future(client.post(f"{url}/sleep", json={"seconds": seconds}))
-             for _ in range(count)]
+    calls: list[asyncio.Future[httpx.Response]] = [
+        asyncio.ensure_future(client.post(f"{url}/sleep", json={"seconds": seconds}))
+        for _ in range(count)]
     await asyncio.sleep(1.0)  # connected and at the replica: the requests are in flight
     return calls
 

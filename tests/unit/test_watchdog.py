@@ -34,7 +34,7 @@ def _start(mode: str) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, mode], stdout=subprocess.PIPE,
                               text=True, start_new_session=True)
     assert parent.stdout is not None
-    lines = []
+    lines: list[str] = []
     while not lines or lines[-1] != "up":
         line = parent.stdout.readline().strip()
         assert line, "the parent ended early"

@@ -245,6 +245,8 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
         # The app's first replicas (edges, pool, floors) take idle workers as they start;
         # only the workers left after them, or started to replace them, are the warm runtime.
         _wait_deployed(app.name, _WARM_RUNTIME_WAIT_S, stop)
+        if stop.is_set():  # asked to stop while deploying: no warm runtime to start
+            return f"http://{host}:{port}"
         _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
         _refiller.start()
         if not _wait_warm(_refiller, _WARM_RUNTIME_WAIT_S, stop) and not stop.is_set():
