@@ -15,12 +15,14 @@ Exit codes of ``ember run`` (also in docs/operations.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import TextIO
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DRAIN_TIMEOUT, EXIT_FORCED = 0, 1, 2, 3, 4
 
@@ -45,12 +47,19 @@ class StopSignals:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         self.received.append(name)
+        # os.write, not print: the handler may run while the main thread is inside a print
+        # to the same stream, and a buffered stream refuses that reentrant call.
         if len(self.received) == 1:
-            print(f"{name}: draining (a second signal stops at once)", flush=True)
+            _say(sys.stdout, f"{name}: draining (a second signal stops at once)")
             self.stop.set()
             return
-        print(f"{name} again: stopping now", file=sys.stderr, flush=True)
+        _say(sys.stderr, f"{name} again: stopping now")
         self.on_second()
+
+
+def _say(stream: TextIO, line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        os.write(stream.fileno(), f"{line}\n".encode())
 
 
 #: The one handler of this process, installed by ``ember.cli`` for ``ember run``.
