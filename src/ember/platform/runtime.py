@@ -207,7 +207,9 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     # SIGTERM and SIGINT stay with this process's handlers (a drain), not Ray's.
     with lifecycle.ray_init_keeps_handlers():
         ray.init(
-            address=address,
+            # "local", not None: with None Ray joins the cluster its bootstrap file
+            # (ray_current_cluster) names, someone else's on a shared machine.
+            address=address or "local",
             # A local cluster is reachable from this machine only (see control/listeners.py).
             _node_ip_address=None if address else LOOPBACK,
             num_cpus=None if address else (int(num_cpus) if num_cpus else None),
