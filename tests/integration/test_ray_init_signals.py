@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent("""
 
     threading.Thread(target=pester, daemon=True).start()
     with ray_init_keeps_handlers():
-        ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=1, include_dashboard=False,
+                 _node_ip_address="127.0.0.1",
                  logging_level="WARNING")
     during = len(got)
     os.kill(os.getpid(), signal.SIGTERM)
