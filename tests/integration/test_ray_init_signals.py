@@ -18,7 +18,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import os, signal, threading, time
     import ray, ray._raylet
-    from ember.platform.lifecycle import ray_init_keeps_handlers
+    from ember.cluster.lifecycle import ray_init_keeps_handlers
 
     got = []
     signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))

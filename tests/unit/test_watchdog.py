@@ -16,7 +16,7 @@ from support import wait_for
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
-    from ember.platform import watchdog
+    from ember.cluster import watchdog
     guard = watchdog.start()
     guard.wait_started()
     # A child that starts a grandchild: neither dies with the parent on its own.

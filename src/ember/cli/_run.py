@@ -1,7 +1,7 @@
 """``ember run``: serve an app until SIGTERM or SIGINT, then drain and stop.
 
 The order that keeps every moment safe: signal handlers (``_signals.py``, installed before the
-heavy imports) and the watchdog (``platform/watchdog.py``) before Ray starts; ``/readyz``
+heavy imports) and the watchdog (``cluster/watchdog.py``) before Ray starts; ``/readyz``
 200 only once the app is fully up; on a signal, a drain (503 to new requests, in-flight ones
 finish within the deployments' ``graceful_shutdown_s``), then Serve and Ray shut down and
 the watchdog kills whatever of the process tree is left.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ember.app.app import App
+from ember.app.targets import load_app
 from ember.cli._signals import (
     EXIT_DRAIN_TIMEOUT,
     EXIT_FORCED,
@@ -19,9 +21,7 @@ from ember.cli._signals import (
     STOP,
     StopSignals,
 )
-from ember.platform import watchdog
-from ember.platform.app import App
-from ember.platform.targets import load_app
+from ember.cluster import watchdog
 
 
 def cmd_run(args: argparse.Namespace, signals: StopSignals = STOP) -> int:
@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace, signals: StopSignals = STOP) -> int:
 
 
 def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     drained = True
     try:

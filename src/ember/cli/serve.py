@@ -17,9 +17,9 @@ import httpx
 
 from ember import settings
 from ember.cli._run import cmd_run
+from ember.cluster import capacity
+from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
-from ember.platform import capacity
-from ember.platform.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 
 
 def _admin_headers() -> dict[str, str]:

@@ -16,8 +16,8 @@ from serve_fakes import FakeHandle, as_handle, replica_of
 from starlette.types import Receive, Scope, Send
 
 import ember
-from ember.platform.http.auth import ApiKeys
-from ember.platform.http.drain import (
+from ember.edge.auth import ApiKeys
+from ember.edge.drain import (
     DRAINING,
     SERVING,
     STARTING,
@@ -25,7 +25,7 @@ from ember.platform.http.drain import (
     DrainMiddleware,
     drained,
 )
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.edge.ingress import IngressState, build_fastapi
 
 
 class Item(BaseModel):
