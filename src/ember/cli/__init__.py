@@ -8,8 +8,15 @@ subcommand sets ``func(args) -> int``, the exit code.
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from ember.cli._signals import STOP
+
+if sys.argv[1:2] == ["run"]:
+    # Before the imports below (seconds: Ray, torch): a SIGTERM during them must drain.
+    STOP.install()
+
+import argparse
 
 from ember.cli import batch, cache, deploy, rollout, serve, snapshot
 from ember.errors import ConfigError

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,31 +16,10 @@ from typing import Any
 import httpx
 
 from ember import settings
-from ember.app.targets import load_app
+from ember.cli._run import cmd_run
 from ember.cluster import capacity
 from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from ember.cluster import runtime
-
-    app = load_app(args.target)
-    stop = threading.Event()
-    try:
-        url = runtime.serve_app(app, host=args.host, port=args.port)
-        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
-        example = (app.curl or "curl -s {url}/-/status").format(url=url)
-        print(f"Try: {example}", flush=True)
-        print("Press Ctrl-C to stop.", flush=True)
-        stop.wait()
-        print("Shutting down...", flush=True)
-    finally:
-        runtime.shutdown()
-    return 0
 
 
 def _admin_headers() -> dict[str, str]:
@@ -268,7 +245,8 @@ def cmd_shadow(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``run``, ``status``, ``warm``, ``traffic``, ``shadow`` and ``plan``."""
-    run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM")
+    run = sub.add_parser("run", help="serve an app until Ctrl-C or SIGTERM, then drain; exit "
+                         "0 after a clean drain, 3 if it ran out of time, 4 on a second signal")
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")

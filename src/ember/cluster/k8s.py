@@ -12,8 +12,9 @@ Kubernetes or Ray. The manifest holds:
   ``maxReplicas`` every deployment at ``max_replicas``. Ray's autoscaler moves between them
   as Ember's policy asks Serve for replicas, so idle deployments give their pods back.
 - Ember's settings as ``EMBER_*`` variables, invoke and admin keys from a Secret, Ray Serve's
-  throughput and cold-start settings, and a readiness probe on ``/readyz`` at Ember's port
-  for the worker pods, where the edges run.
+  throughput and cold-start settings, and for the worker pods, where the edges run: a
+  readiness probe on ``/readyz`` and a liveness probe on ``/healthz`` at Ember's port, a
+  short pre-stop wait and a termination grace that covers the longest drain.
 
 The head pod keeps KubeRay's own readiness probe: KubeRay submits the Serve config only once
 the head is ready, so a head that waited for the app to be ready would never get one.
@@ -38,6 +39,7 @@ from ember.cluster.runtime import (
     POOL_NUM_CPUS,
     THROUGHPUT_SETTINGS,
 )
+from ember.edge.edge import DRAIN_S
 from ember.errors import ConfigError
 
 API_VERSION = "ray.io/v1"
@@ -50,6 +52,9 @@ CLIENT_SETTINGS = frozenset({"url", "admin_key", "api_key"})
 SECRET_SETTINGS = ("api_keys", "admin_keys")
 #: Ports Ray's head listens on, named as KubeRay names them.
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+#: Seconds a terminating worker pod keeps serving before its processes are signalled: time
+#: for Kubernetes to take it out of the Service's endpoints.
+PRESTOP_S = 5
 
 
 class ClusterShape(BaseModel):
@@ -233,11 +238,27 @@ def _container(role: str, shape: ClusterShape, env: list[dict[str, Any]], port: 
             "initialDelaySeconds": 10, "periodSeconds": 5, "timeoutSeconds": 2,
             "failureThreshold": 3,
         }
+        # /healthz stays 200 while an edge drains: a slow drain is never taken for a hang.
+        container["livenessProbe"] = {
+            "httpGet": {"path": "/healthz", "port": port},
+            "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        }
+        # Keep serving while Kubernetes takes the pod out of the Service's endpoints.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}}
     return container
 
 
+def termination_grace_s(app: App) -> int:
+    """Seconds a worker pod gets between its end being asked and SIGKILL: the pre-stop wait,
+    then the longest of the edges' drain and the deployments' ``graceful_shutdown_s``."""
+    longest = max([DRAIN_S, *(spec.options.with_env_overrides().graceful_shutdown_s
+                              for spec in app.specs)])
+    return math.ceil(PRESTOP_S + longest + 5)
+
+
 def _worker_spec(group: WorkerGroup, shape: ClusterShape, env: list[dict[str, Any]],
-                 port: int) -> dict[str, Any]:
+                 port: int, grace_s: int) -> dict[str, Any]:
     params = {"num-cpus": str(group.cpus)}
     if group.gpus:
         params["num-gpus"] = str(group.gpus)
@@ -248,8 +269,9 @@ def _worker_spec(group: WorkerGroup, shape: ClusterShape, env: list[dict[str, An
         "minReplicas": group.min_pods,
         "maxReplicas": group.max_pods,
         "rayStartParams": params,
-        "template": {"spec": {"containers": [_container("worker", shape, env, port,
-                                                        resources)]}},
+        "template": {"spec": {
+            "terminationGracePeriodSeconds": grace_s,
+            "containers": [_container("worker", shape, env, port, resources)]}},
     }
 
 
@@ -295,7 +317,7 @@ def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[s
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
                     "template": {"spec": {"containers": [head]}},
                 },
-                "workerGroupSpecs": [_worker_spec(g, shape, env, port)
+                "workerGroupSpecs": [_worker_spec(g, shape, env, port, termination_grace_s(app))
                                      for g in worker_groups(app, shape)],
             },
         },

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,13 @@ from ray import serve
 from ember import settings
 from ember.app.app import App
 from ember.app.config import serve_logging, to_ray_options
+from ember.cluster import lifecycle
 from ember.control import snapshot_placement, warm_runtime
 from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
 from ember.edge.auth import ApiKeys
+from ember.edge.drain import WATCH_PERIOD_S
 from ember.edge.edge import (
     DRAIN_S,
     EDGE_DEPLOYMENT,
@@ -200,30 +204,41 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
-    ray.init(
-        address=address,
-        # A local cluster is reachable from this machine only (see control/listeners.py).
-        _node_ip_address=None if address else LOOPBACK,
-        num_cpus=None if address else (int(num_cpus) if num_cpus else None),
-        include_dashboard=False,
-        runtime_env=runtime_env,
-        logging_level=logging.WARNING,
-        configure_logging=True,
-        _system_config=warm_runtime.system_config(preload or []) if warm else None,
-    )
+    # SIGTERM and SIGINT stay with this process's handlers (a drain), not Ray's.
+    with lifecycle.ray_init_keeps_handlers():
+        ray.init(
+            # "local", not None: with None Ray joins the cluster its bootstrap file
+            # (ray_current_cluster) names, someone else's on a shared machine.
+            address=address or "local",
+            # A local cluster is reachable from this machine only (see control/listeners.py).
+            _node_ip_address=None if address else LOOPBACK,
+            num_cpus=None if address else (int(num_cpus) if num_cpus else None),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+            _system_config=warm_runtime.system_config(preload or []) if warm else None,
+        )
     return address is None
 
 
-def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:
+def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
+              stop: threading.Event | None = None) -> str:
     """Deploy ``app`` and return its base URL; returns once the app is running.
+
+    The edges answer ``/readyz`` 200 only once this returns (and the warm runtime of a local
+    cluster is up or given up on). ``stop`` set meanwhile cuts the waits short; the app is
+    then left starting (not ready) for the caller to drain and shut down.
 
     Example:
         >>> url = serve_app(my_app)            # doctest: +SKIP
         >>> httpx.post(f"{url}/mlp", json=...)  # doctest: +SKIP
     """
     global _refiller
+    stop = stop or threading.Event()
     started_here = start_ray(preload=app_modules(app))
     port = default_port() if port is None else port
+    lifecycle.set_phase(app.name, lifecycle.STARTING)
     # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py).
     serve.start(proxy_location="Disabled")
     serve.run(build_application(app, host=host, port=port), name=app.name, route_prefix=None,
@@ -231,23 +246,56 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
     if started_here and _refiller is None:
         # The app's first replicas (edges, pool, floors) take idle workers as they start;
         # only the workers left after them, or started to replace them, are the warm runtime.
-        _wait_deployed(app.name, _WARM_RUNTIME_WAIT_S)
+        _wait_deployed(app.name, _WARM_RUNTIME_WAIT_S, stop)
+        if stop.is_set():  # asked to stop while deploying: no warm runtime to start
+            return f"http://{host}:{port}"
         _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
         _refiller.start()
-        if not _refiller.wait_ready(_WARM_RUNTIME_WAIT_S):
+        if not _wait_warm(_refiller, _WARM_RUNTIME_WAIT_S, stop) and not stop.is_set():
             logger.warning("the warm runtime's workers are not up yet; the first cold starts "
                            "may start fresh processes")
+    if not stop.is_set():
+        lifecycle.set_phase(app.name, lifecycle.SERVING)
     return f"http://{host}:{port}"
 
 
-def _wait_deployed(name: str, timeout_s: float) -> None:
+def _wait_deployed(name: str, timeout_s: float, stop: threading.Event) -> None:
     """Wait until Serve is done starting ``name``'s replicas, however that ended."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         app = serve.status().applications.get(name)
         if app is not None and app.status not in ("NOT_STARTED", "DEPLOYING"):
             return
-        time.sleep(0.2)
+        stop.wait(0.2)
+
+
+def _wait_warm(refiller: warm_runtime.Refiller, timeout_s: float, stop: threading.Event) -> bool:
+    """Wait for the warm runtime's workers, a slice at a time so that ``stop`` is seen."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        if refiller.wait_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+    return False
+
+
+def drain(app: App, *, interrupted: Callable[[], bool] = lambda: False) -> bool:
+    """Have the edges refuse new requests and wait for those in flight, up to the longest
+    ``graceful_shutdown_s`` of the app's deployments.
+
+    Returns:
+        True when nothing was left in flight; False when time ran out or ``interrupted()``.
+    """
+    timeout_s = max(spec.options.with_env_overrides().graceful_shutdown_s
+                    for spec in app.specs)
+    status = serve.status().applications.get(app.name)
+    edge = status.deployments.get(EDGE_DEPLOYMENT) if status is not None else None
+    edges = sum(int(n) for state, n in (edge.replica_states if edge is not None else {}).items()
+                if getattr(state, "value", state) == "RUNNING")
+    # The edges read the phase every WATCH_PERIOD_S: give them that to report.
+    return lifecycle.drain(app.name, edges=edges, timeout_s=timeout_s + 2 * WATCH_PERIOD_S,
+                           interrupted=interrupted)
 
 
 def shutdown() -> None:

@@ -84,7 +84,11 @@ class EmberEdge:
     async def __init__(self, host: str, port: int, state_args: dict[str, Any]) -> None:  # type: ignore[misc]
         bind_replica_grpc_to_node_ip()
         state = IngressState(**state_args)
-        self._board = state.board = EdgeBoard(state.app_name, _edge_id())
+        edge_id = _edge_id()
+        self._board = state.board = EdgeBoard(state.app_name, edge_id)
+        # Readiness and drains follow the process that deployed the app (see drain.py).
+        self._watch = asyncio.get_running_loop().create_task(
+            state.gate.watch(state.app_name, edge_id))
         # Know the replica counts before taking a connection: a request must not be sent
         # to a deployment's own replicas while they are still at zero and the pool is warm.
         await state.poll_once()
@@ -113,6 +117,7 @@ class EmberEdge:
         except (TimeoutError, asyncio.CancelledError):
             logger.warning("edge on %s:%d stopped with requests in flight", self._host,
                            self._port)
+        self._watch.cancel()
 
 
 __all__ = ["EDGE_DEPLOYMENT", "EmberEdge", "edge_placement"]

@@ -53,6 +53,7 @@ from ember.edge._strict_json import (
     parse_json,
 )
 from ember.edge.auth import ApiKeys, AuthMiddleware
+from ember.edge.drain import DrainGate, DrainMiddleware
 from ember.edge.protocols import Protocol
 from ember.edge.ratelimit import RateLimiter, RateLimitMiddleware
 from ember.edge.rollouts import add_rollout_routes
@@ -94,6 +95,8 @@ class IngressState:
         self.board: EdgeBoard | None = None
         self._published_at = -_PUBLISH_EVERY_S
         self.tracker = LoadTracker(options, self.metrics)
+        #: The serving process's phase as this ingress last read it (see ``drain.py``).
+        self.gate = DrainGate()
         self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names,
                                      gpu_pool, gpu_pool_names)
         self.tracker.pool_expected = pool is not None
@@ -114,7 +117,7 @@ class IngressState:
     def status(self) -> dict[str, Any]:
         return {
             "app": self.app_name,
-            "ready": self.tracker.ready(),
+            "ready": self.ready(),
             "deployments": [{**load.as_dict(), **self.versions.row(load.name)}
                             for load in self.tracker.loads.values()],
             # Which edge answered, and how many run: what an operator (or a chaos test)
@@ -143,7 +146,7 @@ class IngressState:
         return self.metrics.registry
 
     def ready(self) -> bool:
-        return self.tracker.ready()
+        return self.gate.serving and self.tracker.ready()
 
     async def poll_once(self) -> None:
         """Read every deployment's replica states from Serve's controller once."""
@@ -362,7 +365,7 @@ def build_fastapi(state: IngressState) -> FastAPI:
     for protocol in state.protocols:
         protocol.install(app, state)
     _add_platform_routes(app, state)
-    # Starlette runs the last middleware added first: header limit, then auth (so no
+    # Starlette runs the last middleware added first: drain, header limit, then auth (so no
     # unauthenticated body is ever read), per-key rate limit, encoding, body size, and the
     # cold-start header of protocol routes.
     app.add_middleware(ColdStartHeaderMiddleware)
@@ -371,6 +374,8 @@ def build_fastapi(state: IngressState) -> FastAPI:
     app.add_middleware(RateLimitMiddleware, limiter=state.limiter, on_reject=state.on_reject)
     app.add_middleware(AuthMiddleware, keys=state.keys, on_reject=state.on_reject)
     app.add_middleware(HeaderLimitMiddleware, on_reject=state.on_reject)
+    # Outermost: a draining server refuses new requests before any other work.
+    app.add_middleware(DrainMiddleware, gate=state.gate)
     return app
 
 
@@ -423,8 +428,9 @@ def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
         return JSONResponse({"status": "ok"})
 
     async def readyz() -> Response:
-        ready = state.tracker.ready()
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+        ready = state.ready()
+        return JSONResponse({"ready": ready, "phase": state.gate.phase},
+                            status_code=200 if ready else 503)
 
     async def metrics() -> Response:
         return Response(await state.render_metrics(), media_type="text/plain; version=0.0.4")

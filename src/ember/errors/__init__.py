@@ -29,6 +29,7 @@ facts reach logs, callers and tests::
     │   ├── QueueFull (503)            over max_queue: rejected at once with Retry-After
     │   ├── DeploymentUnavailable (503)
     │   │   └── WaitingForResources    no node has room for a replica; with the reason
+    │   ├── ShuttingDown (503)         the server is draining before it stops; Retry-After
     │   ├── UserCodeError (500)        the handler raised; the replica keeps serving
     │   └── RequestTimeout (504)       over request_timeout_s; the work is cancelled
     ├── WeightsError (503)             weights that cannot be trusted or fetched
@@ -74,6 +75,7 @@ from ember.errors._base import (
     RequestError,
     RequestTimeout,
     ServiceError,
+    ShuttingDown,
     UserCodeError,
     WaitingForResources,
     WeightsError,
@@ -146,6 +148,7 @@ __all__ = [
     "ServiceError",
     "ShardIncomplete",
     "ShortRead",
+    "ShuttingDown",
     "SnapshotError",
     "SnapshotInvalid",
     "SourceError",

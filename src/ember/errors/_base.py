@@ -126,6 +126,16 @@ class WaitingForResources(DeploymentUnavailable):
         return {"Retry-After": "5"}
 
 
+class ShuttingDown(ServiceError):
+    """The server is draining before it stops: another instance should take the request."""
+
+    status_code = 503
+    template = "the server is shutting down; retry on another instance"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UserCodeError(ServiceError):
     status_code = 500
     template = "deployment '{deployment}' raised {error_type}; request id {request_id}"

@@ -1,0 +1,68 @@
+"""``ember run``: serve an app until SIGTERM or SIGINT, then drain and stop.
+
+The order that keeps every moment safe: signal handlers (``_signals.py``, installed before the
+heavy imports) and the watchdog (``cluster/watchdog.py``) before Ray starts; ``/readyz``
+200 only once the app is fully up; on a signal, a drain (503 to new requests, in-flight ones
+finish within the deployments' ``graceful_shutdown_s``), then Serve and Ray shut down and
+the watchdog kills whatever of the process tree is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ember.app.app import App
+from ember.app.targets import load_app
+from ember.cli._signals import (
+    EXIT_DRAIN_TIMEOUT,
+    EXIT_FORCED,
+    EXIT_OK,
+    STOP,
+    StopSignals,
+)
+from ember.cluster import watchdog
+
+
+def cmd_run(args: argparse.Namespace, signals: StopSignals = STOP) -> int:
+    signals.install()
+    guard = watchdog.start()
+
+    def stop_now() -> None:
+        # No Serve or Ray shutdown: the watchdog kills the tree as recorded now once this
+        # process is gone (killing it first would have Ray's threads here report the loss).
+        guard.record()
+        os._exit(EXIT_FORCED)
+
+    signals.on_second = stop_now
+    try:
+        if signals.stop.is_set():
+            return EXIT_OK
+        app = load_app(args.target)
+        guard.wait_started()  # before the first process it must not leave behind
+        if signals.stop.is_set():
+            return EXIT_OK
+        return _serve(app, args, signals)
+    finally:
+        guard.reap()
+
+
+def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
+    from ember.cluster import runtime
+
+    drained = True
+    try:
+        url = runtime.serve_app(app, host=args.host, port=args.port, stop=signals.stop)
+        if not signals.stop.is_set():
+            print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
+            example = (app.curl or "curl -s {url}/-/status").format(url=url)
+            print(f"Try: {example}", flush=True)
+            print("Press Ctrl-C to stop.", flush=True)
+        signals.stop.wait()
+        print("Shutting down...", flush=True)
+        drained = runtime.drain(app)
+        if not drained:
+            print("the drain ran out of time with requests in flight", flush=True)
+    finally:
+        runtime.shutdown()
+    return EXIT_OK if drained else EXIT_DRAIN_TIMEOUT

@@ -1,0 +1,82 @@
+"""The watchdog with real processes (no Ray): a parent's tree does not outlive it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+from support import wait_for
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    from ember.cluster import watchdog
+    guard = watchdog.start()
+    guard.wait_started()
+    # A child that starts a grandchild: neither dies with the parent on its own.
+    child = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])
+    time.sleep(1.5)  # a few of the watchdog's rounds
+    if sys.argv[1] == "reap":
+        guard.reap()
+        print("reaped", child.poll() is not None, flush=True)
+    print("up", flush=True)
+    time.sleep(300)
+""")
+
+
+def _start(mode: str) -> tuple[subprocess.Popen[str], list[psutil.Process]]:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, mode], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    assert parent.stdout is not None
+    lines: list[str] = []
+    while not lines or lines[-1] != "up":
+        line = parent.stdout.readline().strip()
+        assert line, "the parent ended early"
+        lines.append(line)
+    tree = psutil.Process(parent.pid).children(recursive=True)
+    return parent, [p for p in tree if "watchdog" not in " ".join(p.cmdline())]
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    left = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+    return left
+
+
+def _cleanup(parent: subprocess.Popen[str], tree: list[psutil.Process]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(parent.pid, signal.SIGKILL)
+    for process in _alive(tree):
+        process.kill()
+    parent.wait(timeout=30)
+
+
+def test_sigkill_of_the_parent_kills_its_whole_tree() -> None:
+    parent, tree = _start("wait")
+    try:
+        assert len(tree) >= 3, tree  # sh, sleep, sleep
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        started = time.monotonic()
+        wait_for(lambda: not _alive(tree), 15, what="the orphaned tree to be killed")
+        assert time.monotonic() - started < 15
+    finally:
+        _cleanup(parent, tree)
+
+
+def test_reap_kills_the_tree_and_spares_the_parent() -> None:
+    parent, tree = _start("reap")
+    try:
+        assert parent.poll() is None
+        assert not _alive(tree)
+    finally:
+        _cleanup(parent, tree)
