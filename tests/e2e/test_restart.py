@@ -13,19 +13,14 @@ import importlib.util
 import math
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from harness import EMBER, ROOT, EmberRun, tail
 from support import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-EMBER = Path(sys.executable).with_name("ember")
 
 
 def _weights() -> Path:
@@ -34,42 +29,15 @@ def _weights() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model" / "model.safetensors"
 
 
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
+_tail = tail
 
 
-class Run:
+class Run(EmberRun):
     """``ember run`` of the flagship as a child process (own session), logged to a file."""
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(EMBER), "run", "ember.deployments.embeddings:app"], cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{_tail(self.log)}")
-            if "Press Ctrl-C" in self.log.read_text(errors="replace"):
-                return
-            time.sleep(0.5)
-        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{_tail(self.log)}")
-
-    def stop(self, timeout_s: float = 120) -> int:
-        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n"
-                            f"{_tail(self.log)}")
-        return self.proc.returncode
+        super().__init__("ember.deployments.embeddings:app", log.parent, full_env=env,
+                         log_name=log.name)
 
 
 def _embed(url: str, log: Path) -> list[float]:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from apps import core
+from harness import by_label, scrape
 from serving import ControllerWatch, ServeApp
 from support import deployment_status, wait_for, wait_for_scale_down
 
@@ -197,15 +197,8 @@ def test_burst_of_16_at_zero_asks_for_8_replicas_before_the_first_runs(url: str)
 
 def _too_large_by_edge(url: str) -> dict[str, float]:
     """``ember_requests_rejected_total`` for too-large bodies to Echo, by edge, one scrape."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (sample.name == "ember_requests_rejected_total"
-                    and sample.labels.get("deployment") == "Echo"
-                    and sample.labels.get("reason") == "too_large"):
-                counts[sample.labels["edge"]] = sample.value
-    return counts
+    return by_label(scrape(url), "ember_requests_rejected_total", "edge", deployment="Echo",
+                    reason="too_large")
 
 
 def test_one_scrape_holds_every_edges_metrics(url: str) -> None:
