@@ -34,7 +34,7 @@ def _replace_keeping_etag(bucket: str, key: str, data: bytes) -> None:
     stored = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, key)
     assert stored is not None and len(data) == stored.size
     etag = stored._etag
-    stored.value = data
+    stored.value = data  # type: ignore[misc]  # moto declares a setter mypy misses
     stored._etag = etag
 
 
