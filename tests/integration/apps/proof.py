@@ -47,7 +47,7 @@ class Value(BaseModel):
 
 # The three stages may each grow to 3 replicas by the same rule; only the slow one has the
 # queue that asks for more.
-stage = ember.deployment(warm_floor=1, max_replicas=3, num_cpus=0.05, target_queue_depth=2,
+stage = ember.deployment(warm_floor=1, max_replicas=3, num_cpus=0.05, target_queue_depth=3,
                          max_ongoing_requests=4, scaledown_after_s=2.0)
 
 
@@ -60,7 +60,7 @@ class Front:
 @stage
 class SlowMiddle:
     async def __call__(self, n: int) -> int:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
         return n + 1
 
 
