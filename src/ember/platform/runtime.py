@@ -201,7 +201,10 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
     ray.init(
-        address=address,
+        # "local", not None: ray.init(None) joins the cluster named in Ray's
+        # ray_current_cluster file, i.e. whichever cluster on this machine started last
+        # (another user's, or a test's two-node cluster), instead of starting our own.
+        address=address or "local",
         # A local cluster is reachable from this machine only (see control/listeners.py).
         _node_ip_address=None if address else LOOPBACK,
         num_cpus=None if address else (int(num_cpus) if num_cpus else None),
