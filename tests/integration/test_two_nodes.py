@@ -103,6 +103,11 @@ def cluster(stores: Stores) -> Iterator[Any]:
         # Both nodes and this driver advertise loopback, as a local cluster does (and as
         # separate machines would advertise their own addresses).
         use_loopback_node_ip()
+        # Cluster() names its head in Ray's ray_current_cluster file, which any
+        # ray.init() without an address on this machine then joins (other test runs' apps
+        # landed here, and their teardown killed this cluster's Serve controller): keep it
+        # private.
+        patch.setattr(ray._private.utils, "write_ray_address", lambda *_, **__: None)
         # Each raylet, and so each worker it starts, keeps the environment it started with:
         # a node cache of its own, as separate machines have.
         patch.setenv("EMBER_CACHE_DIR", str(stores.caches["node-a"]))
