@@ -38,8 +38,8 @@ def _every_route() -> list[tuple[str, str]]:
     ingress builds (not a hand list, so a new route is walked too), path parameters filled."""
     from serve_fakes import FakeHandle, as_handle
 
-    from ember.platform.http.auth import ApiKeys
-    from ember.platform.http.ingress import IngressState, build_fastapi
+    from ember.edge.auth import ApiKeys
+    from ember.edge.ingress import IngressState, build_fastapi
 
     app = features.app
     handles = {s.name: as_handle(FakeHandle(_never_called)) for s in app.specs}

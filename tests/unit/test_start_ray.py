@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import ray
 
-from ember.platform import runtime
+from ember.cluster import runtime
 
 
 @pytest.fixture
