@@ -21,6 +21,7 @@ import pytest
 
 from run_process import EMBER, ROOT, EmberRun
 from run_process import tail as _tail
+
 from support import free_port
 
 TARGET = "ember.deployments.embeddings:app"

@@ -4,34 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from support import every_edge_sees, free_port, wait_for, wait_for_scale_down
-
-ROOT = Path(__file__).resolve().parents[2]
-EMBER = Path(sys.executable).with_name("ember")
+from harness import EMBER, ROOT, EmberRun
+from support import every_edge_sees, wait_for, wait_for_scale_down
 
 
 @pytest.mark.slow
 def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
-           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    log = (tmp_path / "run.log").open("w+")
-    proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    run = EmberRun("examples/mlp_app.py:app", tmp_path, env={"EMBER_SCALEDOWN_AFTER_S": "2"})
+    url = run.url
     try:
-        wait_for(lambda: "Press Ctrl-C" in Path(log.name).read_text(), 180, what="startup")
-        output = Path(log.name).read_text()
+        run.wait_ready(180)
+        output = run.text()
         assert f"{url}" in output and "curl" in output
         reply = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
         assert reply.status_code == 200, reply.text
@@ -54,14 +44,9 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         assert "x-ember-cold-start" in again.headers  # it met zero replicas
         assert again.json() == reply.json()  # the same weights after a cold start
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert code == 0, Path(log.name).read_text()[-3000:]
-    assert "Shutting down" in Path(log.name).read_text()
+        code = run.stop()
+    assert code == 0, run.tail()
+    assert "Shutting down" in run.text()
 
 
 def test_bad_target_is_a_clear_error(tmp_path: Path) -> None:
@@ -108,21 +93,14 @@ def _phases(reply: httpx.Response) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
-           "EMBER_WARM_POOL": "0", "EMBER_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    env.pop("EMBER_WARM_RUNTIME", None)
-    log = (tmp_path / "run.log").open("w+")
-    proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    run = EmberRun("examples/mlp_app.py:app", tmp_path, unset=["EMBER_WARM_RUNTIME"],
+                   env={"EMBER_SCALEDOWN_AFTER_S": "2", "EMBER_WARM_POOL": "0"})
+    url = run.url
     body = {"inputs": [[0.5] * 256]}
     try:
-        wait_for(lambda: "Press Ctrl-C" in Path(log.name).read_text(), 180, what="startup")
+        run.wait_ready(180)
         for trial in range(2):  # the second proves a used worker was replaced
-            wait_for(lambda: _warm_idle_workers(proc.pid), 60, what="a pre-started worker")
+            wait_for(lambda: _warm_idle_workers(run.proc.pid), 60, what="a pre-started worker")
             wait_for(lambda: every_edge_sees(url, "SeedMLP", 0), 90, what="SeedMLP at zero")
             reply = httpx.post(f"{url}/mlp", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
@@ -131,9 +109,4 @@ def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) ->
             assert (phases["path"], phases["start"], phases["import"]) == (
                 "replica", "0", "0"), (trial, phases)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        run.stop()

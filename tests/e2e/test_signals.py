@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from run_process import EmberRun, ready
+
 from support import free_port, wait_for
 
 TARGET = "tests/e2e/sleeper_app.py:app"

@@ -14,6 +14,16 @@ from serving import ServeApp, served
 from support import free_port
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the two-node modules first: each starts a two-node cluster of its own and tears
+    it down at its end, and a process joins one Ray cluster at a time, so they must finish
+    before anything starts the session's cluster. One pytest run then holds every test."""
+    def two_nodes(item: pytest.Item) -> bool:
+        return item.path.name.startswith("test_two_nodes")
+
+    items.sort(key=lambda item: not two_nodes(item))  # stable: the order is otherwise kept
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     from ember.cluster import runtime

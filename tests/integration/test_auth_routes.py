@@ -1,7 +1,9 @@
-"""With API keys set, every route but /healthz and /readyz needs one; a walk of all routes."""
+"""With invoke and admin keys set: every route but /healthz and /readyz needs a key, admin
+routes (``/-/...``) an admin key; a walk of every route the edge serves for the app."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -13,9 +15,12 @@ from serving import ServeApp
 pytestmark = pytest.mark.cluster
 
 KEY = "test-key-0123456789abcdef"
-#: Read by the ingress when the app is deployed.
-ENV = {"EMBER_API_KEYS": f"{KEY},another-key-0123456789", "EMBER_RATE_LIMIT_RPS": "2",
-       "EMBER_RATE_LIMIT_BURST": "6"}
+ADMIN = "admin-key-0123456789abcdef"
+#: Read by the ingress when the app is deployed. ``another-key`` (admin) is the rate test's.
+ENV = {"EMBER_API_KEYS": KEY, "EMBER_ADMIN_KEYS": f"{ADMIN},another-key-0123456789",
+       "EMBER_RATE_LIMIT_RPS": "2", "EMBER_RATE_LIMIT_BURST": "6"}
+#: Values for the path parameters of the app's routes.
+PATH_VALUES = {"deployment": "Summer", "name": "doubler", "model_name": "doubler"}
 
 
 @pytest.fixture(scope="module")
@@ -24,25 +29,73 @@ def url(serve_app: ServeApp) -> Iterator[str]:
         yield base
 
 
-def _every_route(url: str) -> list[tuple[str, str]]:
-    spec = httpx.get(f"{url}/openapi.json", timeout=30,
-                     headers={"authorization": f"Bearer {KEY}"}).json()
-    routes = [(m.upper(), p) for p, item in spec["paths"].items() for m in item]
-    routes += [("GET", p) for p in ("/docs", "/openapi.json", "/metrics", "/-/status",
-                                    "/nowhere")]
-    return [*routes, ("POST", "/-/warm/Summer"), ("DELETE", "/-/warm/Summer")]
+async def _never_called(attr: str, *args: object) -> object:
+    raise AssertionError("only the routes are read; no handle is called")
+
+
+def _every_route() -> list[tuple[str, str]]:
+    """Every (method, path) the edge serves for the app, read from the FastAPI app that the
+    ingress builds (not a hand list, so a new route is walked too), path parameters filled."""
+    from serve_fakes import FakeHandle, as_handle
+
+    from ember.edge.auth import ApiKeys
+    from ember.edge.ingress import IngressState, build_fastapi
+
+    app = features.app
+    handles = {s.name: as_handle(FakeHandle(_never_called)) for s in app.specs}
+    state = IngressState(app.name, list(app.routes()), {s.name: s.options for s in app.specs},
+                         handles, app.timeouts(), app.protocols, None, frozenset(),
+                         ApiKeys([]), None)
+    routes = []
+    for route in build_fastapi(state).routes:
+        path = getattr(route, "path", "")
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method != "HEAD":
+                routes.append((method, path.format(**PATH_VALUES)))  # KeyError: a new param
+    return [*routes, ("GET", "/nowhere")]
+
+
+def _call(method: str, path: str, url: str, key: str | None) -> httpx.Response:
+    """One request, retried while the per-key rate limit (which runs after auth) says 429."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + 60
+    while True:
+        reply = httpx.request(method, f"{url}{path}", headers=headers, json={}, timeout=30)
+        if reply.status_code != 429 or time.monotonic() > deadline:
+            return reply
+        time.sleep(float(reply.headers["retry-after"]))
 
 
 def test_every_route_refuses_without_a_valid_key(url: str) -> None:
-    routes = _every_route(url)
-    assert len(routes) >= 12
+    routes = _every_route()
+    assert len(routes) >= 20 and any(p.startswith("/-/") for _, p in routes)
     for method, path in routes:
+        if path in ("/healthz", "/readyz"):
+            continue
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"}):
-            reply = httpx.request(method, f"{url}{path.replace('{name}', 'doubler')}",
-                                  headers=headers, timeout=30)
+            reply = httpx.request(method, f"{url}{path}", headers=headers, timeout=30)
             assert reply.status_code == 401, (method, path, headers, reply.status_code)
             assert reply.headers["www-authenticate"].startswith("Bearer")
             assert KEY not in reply.text
+
+
+def test_invoke_keys_are_refused_on_every_admin_route_and_admin_keys_pass_everywhere(
+        url: str) -> None:
+    walked = 0
+    for method, path in _every_route():
+        admin_route = path.startswith("/-/")
+        invoke = _call(method, path, url, KEY)
+        if admin_route:
+            assert invoke.status_code == 403, (method, path, invoke.status_code, invoke.text)
+            assert "invoke key cannot call admin routes" in invoke.text
+        else:
+            assert invoke.status_code not in (401, 403), (method, path, invoke.text)
+        admin = _call(method, path, url, ADMIN)
+        assert admin.status_code not in (401, 403), (method, path, admin.text)
+        walked += admin_route
+    assert walked >= 8, walked  # status, warm, traffic, shadow, rollout, rollback...
+    assert httpx.delete(f"{url}/-/warm/Summer", headers={"authorization": f"Bearer {ADMIN}"},
+                        timeout=30).status_code in (200, 404)
 
 
 def test_valid_key_is_let_in_and_health_stays_open(url: str) -> None:

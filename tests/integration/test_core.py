@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from apps import core
+from harness import by_label, scrape
 from serving import ControllerWatch, ServeApp
 from support import deployment_status, wait_for, wait_for_scale_down
 
@@ -138,12 +138,28 @@ def test_unplaceable_replica_is_a_503_with_its_reason_within_10_s(url: str) -> N
     # and the status says why.
     again = httpx.post(f"{url}/huge", timeout=60)
     assert again.status_code == 503 and again.elapsed.total_seconds() < 1.0
-    huge = deployment_status(url, "Huge")
-    assert str(huge["waiting_for_resources"]).startswith("waiting for resources: needs CPU 64.0")
+    # Each edge reads replica states about once a second: every edge says why, soon.
+    wait_for(lambda: all(str(deployment_status(url, "Huge")["waiting_for_resources"])
+                         .startswith("waiting for resources: needs CPU 64.0")
+                         for _ in range(6)), 15, what="every edge's status to say why")
+
+
+def _watch_for(windows: int, deployment: str) -> ControllerWatch:
+    """The controller's decisions on ``deployment`` over ``windows`` of its scale-down
+    windows (plus a second), read every 0.1 s."""
+    span_s = windows * core.app.spec(deployment).options.scaledown_after_s + 1
+    with ControllerWatch(core.app.name, deployment, interval_s=0.1) as watch:
+        wait_for(lambda: watch.samples[-1].at - watch.samples[0].at > span_s, span_s + 30,
+                 what=f"{span_s:g} s of {deployment}'s decisions")
+    return watch
 
 
 def test_floor_is_respected_when_idle(url: str) -> None:
-    time.sleep(4)  # > 3x scaledown_after_s of Echo
+    # A claim about a window: every decision the controller makes while Echo idles for
+    # three of its scale-down windows keeps the floor (a dip and recovery fails too).
+    watch = _watch_for(3, "Echo")
+    assert min(s.target for s in watch.samples) >= 1, [s.target for s in watch.samples]
+    assert min(s.count("RUNNING") for s in watch.samples) >= 1
     assert deployment_status(url, "Echo")["replicas_running"] >= 1
     assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
 
@@ -197,15 +213,8 @@ def test_burst_of_16_at_zero_asks_for_8_replicas_before_the_first_runs(url: str)
 
 def _too_large_by_edge(url: str) -> dict[str, float]:
     """``ember_requests_rejected_total`` for too-large bodies to Echo, by edge, one scrape."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (sample.name == "ember_requests_rejected_total"
-                    and sample.labels.get("deployment") == "Echo"
-                    and sample.labels.get("reason") == "too_large"):
-                counts[sample.labels["edge"]] = sample.value
-    return counts
+    return by_label(scrape(url), "ember_requests_rejected_total", "edge", deployment="Echo",
+                    reason="too_large")
 
 
 def test_one_scrape_holds_every_edges_metrics(url: str) -> None:
@@ -242,7 +251,9 @@ def test_lease_holds_a_floor_without_traffic_then_ends(url: str) -> None:
     assert reply.status_code == 200 and reply.json()["floor"] == 1
     wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 1, 60,
              what="the lease to start a replica")
-    time.sleep(4)  # twice Cold's scaledown_after_s: the lease holds it up
+    # Every controller decision over twice Cold's scale-down window keeps the lease's floor.
+    watch = _watch_for(2, "Cold")
+    assert min(s.target for s in watch.samples) == 1, [s.target for s in watch.samples]
     assert deployment_status(url, "Cold")["replicas_running"] == 1
     assert httpx.delete(f"{url}/-/warm/Cold", timeout=30).status_code == 200
     wait_for(lambda: deployment_status(url, "Cold")["replicas_running"] == 0, 40,

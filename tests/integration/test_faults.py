@@ -52,7 +52,9 @@ def test_killed_replica_loses_no_request_and_is_replaced(url: str, tmp_path: Pat
         async with httpx.AsyncClient(timeout=60) as client:
             calls = [asyncio.ensure_future(client.post(f"{url}/fragile", json={
                 "seconds": 1.5, "tag": str(i), "journal": str(tmp_path)})) for i in range(10)]
-            await asyncio.sleep(0.5)  # requests are in flight on both replicas
+            # Kill once the victim has started some of them (its journal says so).
+            while not any(victim in pids for pids in _journal(tmp_path).values()):
+                await asyncio.sleep(0.02)
             os.kill(victim, signal.SIGKILL)
             return await asyncio.gather(*calls)
 
@@ -161,10 +163,7 @@ def test_scale_down_removes_a_starting_replica_before_a_serving_one(url: str) ->
     wait_for(lambda: deployment_status(url, "ScaleOrder")["replicas_starting"] == 1, 30,
              what="a second replica starting")
     assert httpx.delete(f"{url}/-/warm/ScaleOrder", timeout=30).status_code == 200
-    wait_for(lambda: deployment_status(url, "ScaleOrder")["replicas_starting"] == 0, 30,
-             what="the starting replica to go")
-    time.sleep(1)
-    status = deployment_status(url, "ScaleOrder")
-    assert status["replicas_running"] == 1
+    wait_for(lambda: (s := deployment_status(url, "ScaleOrder"))["replicas_starting"] == 0
+             and s["replicas_running"] == 1, 30, what="the starting replica to go")
     pids = {httpx.post(f"{url}/order", json={}, timeout=30).json()["pid"] for _ in range(5)}
     assert pids == {serving}  # the replica that was serving is the one that stayed

@@ -153,3 +153,25 @@ def test_pipeline_timeout_is_504_and_cancels_the_downstream_stage(url: str,
     reply = httpx.post(f"{url}/stuck", json={"marker": str(marker)}, timeout=60)
     assert reply.status_code == 504
     wait_for(marker.exists, 15, what="the downstream stage to be cancelled")
+
+
+@pytest.mark.parametrize(("binary_in", "binary_out"), [(False, False), (True, True)])
+def test_tritonclient_infers_on_the_live_server_json_and_binary(url: str, binary_in: bool,
+                                                                binary_out: bool) -> None:
+    """Triton's own HTTP client, through the edges to the Doubler replica (not a fake)."""
+    import numpy as np
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    try:
+        assert client.is_server_live() and client.is_model_ready("doubler")
+        assert client.get_model_metadata("doubler")["inputs"][0]["shape"] == [-1, 4]
+        data = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5
+        given = triton.InferInput("INPUT0", [3, 4], "FP32")
+        given.set_data_from_numpy(data, binary_data=binary_in)
+        wanted = triton.InferRequestedOutput("OUTPUT0", binary_data=binary_out)
+        result = client.infer("doubler", inputs=[given], outputs=[wanted])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data * 2)
+        assert result.get_output("OUTPUT0")["datatype"] == "FP32"
+    finally:
+        client.close()

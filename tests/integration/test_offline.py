@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from apps.offline import Lengths, app, share_app
+from harness import moto_s3, s3_options
 from serving import ServeApp
 from support import wait_for
 
@@ -231,16 +232,8 @@ def test_bench_runs_against_a_toy_deployment(ray_cluster: None, tmp_path: Path,
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """moto's S3 server on loopback, and the fsspec options that reach it."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # buckets need no constraint
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-               "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    yield options
-    server.stop()
+    with moto_s3() as endpoint:
+        yield s3_options(endpoint)
 
 
 def test_shards_read_from_and_commit_to_object_storage(s3: dict[str, Any]) -> None:

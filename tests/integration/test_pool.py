@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from apps import pool
+from harness import metric
 from serving import ControllerWatch, ServeApp, read_deployment
 from support import deployment_status, every_edge_sees, wait_for
 
@@ -74,13 +74,8 @@ def test_cold_start_phases_are_exported(url: str) -> None:
 
     def weights_phases() -> float:
         """Pool-path weights phases of SlowStart counted in one scrape, over every edge."""
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples
-                   if sample.name == "ember_cold_start_phase_seconds_count"
-                   and sample.labels.get("deployment") == "SlowStart"
-                   and sample.labels.get("path") == "pool"
-                   and sample.labels.get("phase") == "weights")
+        return metric(url, "ember_cold_start_phase_seconds_count", deployment="SlowStart",
+                      path="pool", phase="weights")
 
     # The edge that answered publishes its metrics within about a second.
     wait_for(weights_phases, 15, what="the pool's weights phase in a scrape")

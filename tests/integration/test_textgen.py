@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -103,27 +103,85 @@ def test_a_full_engine_refuses_with_503_and_retry_after(url: str) -> None:
     assert all(r.text.endswith("data: [DONE]\n\n") for r in replies if r.status_code == 200)
 
 
-def test_a_client_that_disconnects_frees_its_slot(url: str) -> None:
-    async def run() -> list[int]:
-        async with httpx.AsyncClient(timeout=60) as client:
-            # 480 tokens take each sequence over a second here, far longer than the wait below.
-            body = {**BODY, "max_tokens": 480, "stream": True}
-            # Two callers fill both slots and leave after their first event.
-            for _ in range(2):
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                    assert r.status_code == 200
-                    async for _ in r.aiter_lines():
-                        break
-            await asyncio.sleep(0.3)
-            # Had their sequences kept running, two of these three would be refused.
-            short = {**BODY, "max_tokens": 4}
-            replies = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=short)
-                                             for _ in range(3)))
-            return [r.status_code for r in replies]
+LONG = {"prompt": "Return the", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
-    started = time.monotonic()
-    assert asyncio.run(run()) == [200, 200, 200]
-    assert time.monotonic() - started < 10
+
+async def _events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in reply.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line.removeprefix("data: "))
+
+
+async def _until(events: AsyncIterator[dict[str, Any]],
+                 test: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The first event that passes ``test``, or the last one (the stream's end)."""
+    async for event in events:
+        if test(event) or event["finish_reason"] is not None:
+            return event
+    raise AssertionError("the stream ended without a last event")
+
+
+def test_a_client_that_disconnects_frees_its_slot(url: str) -> None:
+    """Counted in engine steps, not seconds: A and B (480 tokens each, B sent after A's first
+    token) fill both slots and B leaves. Each of A's chunks carries the engine's running
+    count; only a cancelled B can leave A running alone before A's 480th token, since B
+    could not end by itself before A did."""
+
+    async def run() -> tuple[dict[str, Any], list[int]]:
+        async with (httpx.AsyncClient(timeout=120) as client,
+                    client.stream("POST", f"{url}/generate", json=LONG) as a):
+            assert a.status_code == 200
+            a_events = _events(a)
+            await anext(a_events)
+            async with client.stream("POST", f"{url}/generate", json=LONG) as b:
+                assert b.status_code == 200
+                await anext(_events(b))
+                await _until(a_events, lambda e: e["running"] == 2)  # B is in A's batch
+            alone = await _until(a_events, lambda e: e["running"] == 1)
+            # A holds one slot; B's is free: one short request takes it, one waits.
+            short = {"prompt": "Return the", "max_tokens": 4, "temperature": 0}
+            replies = await asyncio.gather(*(client.post(f"{url}/generate", json=short)
+                                             for _ in range(2)))
+            return alone, [r.status_code for r in replies]
+
+    alone, codes = asyncio.run(run())
+    assert alone["finish_reason"] is None, f"B held its slot until A ended: {alone}"
+    assert alone["completion_tokens"] < LONG["max_tokens"]
+    assert codes == [200, 200]
+
+
+def _finish_order(url: str, route: str) -> list[str]:
+    """A long and then a short request to ``route``; the order in which they finish. The
+    short one is sent once the long one has its first token (its batch has begun)."""
+
+    async def run() -> list[str]:
+        done: list[str] = []
+        async with httpx.AsyncClient(timeout=120) as client:
+
+            async def follow(name: str, body: dict[str, Any], begun: asyncio.Event) -> None:
+                async with client.stream("POST", f"{url}{route}", json=body) as reply:
+                    assert reply.status_code == 200, await reply.aread()
+                    async for event in _events(reply):
+                        begun.set()
+                        if event["finish_reason"] is not None:
+                            done.append(name)
+
+            long_begun, short_begun = asyncio.Event(), asyncio.Event()
+            long = asyncio.create_task(follow("long", {**LONG, "max_tokens": 300}, long_begun))
+            await long_begun.wait()
+            short = {"prompt": "Return the", "max_tokens": 4, "temperature": 0,
+                     "ignore_eos": True}
+            await asyncio.gather(long, follow("short", short, short_begun))
+        return done
+
+    return asyncio.run(run())
+
+
+def test_continuous_batching_lets_a_short_request_finish_before_a_long_one(url: str) -> None:
+    assert _finish_order(url, "/generate") == ["short", "long"]
+    # The same test on the static schedule fails: the short request waits for the batch the
+    # long one began, so it finishes last. This is what the test above tells apart.
+    assert _finish_order(url, "/generate-static") == ["long", "short"]
 
 
 def test_generation_metrics_are_exported(url: str) -> None:

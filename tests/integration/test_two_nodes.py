@@ -33,7 +33,8 @@ from ember.edge.edge import EDGE_DEPLOYMENT
 from ember.loaders import LoaderConfig, list_snapshots
 
 from apps.two_nodes import app, near_app
-from loaders.origins import HttpOrigin, handler_for, make_weights, s3_options
+from harness import S3_CREDENTIALS, moto_s3, s3_options
+from loaders.origins import HttpOrigin, handler_for, make_weights
 from support import free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -54,35 +55,28 @@ class Stores:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    moto = ThreadedMotoServer(ip_address=LOOPBACK, port=0, verbose=False)
-    moto.start()
     origin = HttpOrigin()
     server = ThreadingHTTPServer((LOOPBACK, 0), handler_for(origin))
     server.daemon_threads = True
     origin.url = f"http://{LOOPBACK}:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
-    host, port = moto.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    s3 = s3fs.S3FileSystem(**s3_options(endpoint))
-    # moto's servers in one process share their buckets: one of its own per module.
-    regional = f"s3://ember-regional-{uuid.uuid4().hex[:8]}/cache"
-    s3.mkdir(regional.removeprefix("s3://").split("/")[0])
-    root = tmp_path_factory.mktemp("two-nodes")
-    with pytest.MonkeyPatch.context() as patch:
+    with moto_s3() as endpoint, pytest.MonkeyPatch.context() as patch:
+        s3 = s3fs.S3FileSystem(**s3_options(endpoint))
+        # moto's servers in one process share their buckets: one of its own per module.
+        regional = f"s3://ember-regional-{uuid.uuid4().hex[:8]}/cache"
+        s3.mkdir(regional.removeprefix("s3://").split("/")[0])
+        root = tmp_path_factory.mktemp("two-nodes")
         # Every node's processes reach the regional tier as a node would: through its
         # environment (credentials, endpoint, EMBER_REGIONAL_CACHE).
-        for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+        for name, value in {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint,
                             "EMBER_REGIONAL_CACHE": regional}.items():
             patch.setenv(name, value)
         yield Stores(origin, s3, regional,
                      {name: root / f"{name}-cache" for name in ("node-a", "node-b")})
     server.shutdown()
     server.server_close()
-    moto.stop()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,11 @@ def cluster(stores: Stores) -> Iterator[Any]:
     from ember.cluster import runtime
 
     if ray.is_initialized():
-        pytest.skip("needs a pytest run of its own: this process already joined a Ray cluster")
+        # Never a silent skip: conftest.py runs these modules before anything starts the
+        # session's cluster, so this only happens when that ordering is broken.
+        pytest.fail("the two-node tests need a Ray cluster of their own, but this process "
+                    "already joined one: run them first or alone "
+                    "(pytest tests/integration/test_two_nodes*.py)")
     with pytest.MonkeyPatch.context() as patch:
         # The nodes' processes inherit this environment: the code is "installed" on both
         # nodes, and Ray Serve runs with the settings Ember gives the clusters it starts.
@@ -105,6 +103,11 @@ def cluster(stores: Stores) -> Iterator[Any]:
         # Both nodes and this driver advertise loopback, as a local cluster does (and as
         # separate machines would advertise their own addresses).
         use_loopback_node_ip()
+        # Cluster() names its head in Ray's ray_current_cluster file, which any
+        # ray.init() without an address on this machine then joins (other test runs' apps
+        # landed here, and their teardown killed this cluster's Serve controller): keep it
+        # private.
+        patch.setattr(ray._private.utils, "write_ray_address", lambda *_, **__: None)
         # Each raylet, and so each worker it starts, keeps the environment it started with:
         # a node cache of its own, as separate machines have.
         patch.setenv("EMBER_CACHE_DIR", str(stores.caches["node-a"]))

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from apps import versions
+from harness import metric
 from serving import ServeApp
 from support import wait_for
 
@@ -92,12 +92,7 @@ def test_a_pin_and_a_session_keep_their_version(url: str) -> None:
     assert unknown.status_code == 400 and "has versions 1, 2" in unknown.text
 
 
-def _scraped(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v
-                                               for k, v in labels.items()))
+_scraped = metric
 
 
 def test_shadowed_requests_are_compared_on_the_candidate_and_callers_see_stable(

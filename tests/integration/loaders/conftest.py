@@ -7,7 +7,6 @@ moto's S3 server (one per session, a fresh bucket per test) and a plain HTTP ser
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
@@ -18,6 +17,7 @@ import pytest
 
 from ember.loaders import LoaderConfig
 
+from harness import moto_s3
 from loaders.origins import HttpOrigin, handler_for
 
 
@@ -45,19 +45,8 @@ def config(tmp_path: Path) -> LoaderConfig:
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's standalone S3 server on 127.0.0.1, one per test session."""
-    from moto.server import ThreadedMotoServer
-
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(key, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ import torch
 
 import ember.loaders
 
+from harness import s3_options as s3_options  # re-exported: the loader tests import it here
+
 #: The ``src`` directory of this checkout, for child processes that import ``ember``.
 SRC_DIR = str(Path(ember.loaders.__file__).parents[2])
 
@@ -41,16 +43,6 @@ def make_weights(path: Path, n: int = 16, width: int = 4096) -> dict[str, torch.
     path.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(tensors, str(path))
     return tensors
-
-
-def s3_options(endpoint: str) -> dict[str, Any]:
-    """fsspec storage options that reach the moto S3 server at ``endpoint``."""
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint},
-        "skip_instance_cache": True,
-    }
 
 
 @dataclass

@@ -23,6 +23,21 @@ def _upload(s3: Any, tmp_path: Path, key: str, n: int = 16) -> tuple[str, dict[s
     return f"s3://{s3.bucket}/{key}", tensors
 
 
+def _replace_keeping_etag(bucket: str, key: str, data: bytes) -> None:
+    """Give the object ``key`` new bytes and keep its ETag, in moto's in-process store.
+
+    No S3 call can do this (a PUT computes a new ETag); moto's server runs in this process.
+    """
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    stored = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, key)
+    assert stored is not None and len(data) == stored.size
+    etag = stored._etag
+    stored.value = data  # type: ignore[misc]  # moto declares a setter mypy misses
+    stored._etag = etag
+
+
 def test_s3_load_equals_safetensors(
     s3: Any, s3_endpoint: str, tmp_path: Path, config: LoaderConfig
 ) -> None:
@@ -41,6 +56,7 @@ def test_regional_tier_serves_a_second_node(
     s3: Any, s3_endpoint: str, tmp_path: Path, config: LoaderConfig
 ) -> None:
     url, tensors = _upload(s3, tmp_path, "m/model.safetensors")
+    etag_before = s3.info(f"{s3.bucket}/m/model.safetensors")["ETag"]
     options = s3_options(s3_endpoint)
     regional = f"s3://{s3.bucket}/regional-cache"
     node_a = config.model_copy(
@@ -52,12 +68,19 @@ def test_regional_tier_serves_a_second_node(
     )
     resolve(url, config=node_a)
     assert s3.glob(f"{s3.bucket}/regional-cache/*/blobs/*")
-    # Node B finds it in the region: make the origin unreadable to prove where bytes come from.
-    s3.rm(f"{s3.bucket}/m/model.safetensors")
-    s3.put_file(str(tmp_path / "up/m/model.safetensors"), f"{s3.bucket}/m/model.safetensors")
+    # The origin now serves other weights of the same size under the same ETag (what a
+    # region must never see, and so proof of where node B's bytes come from): only a fill
+    # from the region gives node B the weights node A published.
+    other = {k: -v for k, v in tensors.items()}
+    _replace_keeping_etag(s3.bucket, "m/model.safetensors", safetensors.torch.save(other))
+    assert s3.info(f"{s3.bucket}/m/model.safetensors")["ETag"] == etag_before
     node_b = node_a.model_copy(update={"cache_dir": tmp_path / "node-b"})
     got = load(url, config=node_b)
-    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert all(torch.equal(got[k], v) for k, v in tensors.items()), "node B read the origin"
+    # And a node without the regional tier reads the origin's (other) bytes: the swap holds.
+    alone = config.model_copy(update={"storage_options": options,
+                                       "cache_dir": tmp_path / "node-c"})
+    assert all(torch.equal(load(url, config=alone)[k], v) for k, v in other.items())
 
 
 def test_regional_corruption_falls_back_to_origin(

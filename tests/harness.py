@@ -1,0 +1,187 @@
+"""The live pieces tests start and read: an ``ember run`` server, a metrics scrape, moto's S3.
+
+On pytest's ``pythonpath`` (like ``support``), so every layer imports it as ``harness``:
+
+* :class:`EmberRun`: ``ember run TARGET`` as a child process in its own session, logged to
+  a file, ready once it prints its banner (and ``/readyz`` answers, if asked), stopped with
+  SIGTERM and, if that hangs, SIGKILL of the whole session.
+* :func:`scrape` and :func:`metric`: one ``/metrics`` scrape, parsed by prometheus_client.
+* :func:`moto_s3`: moto's standalone S3 server on 127.0.0.1, and :func:`s3_options`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from support import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBER = Path(sys.executable).with_name("ember")
+#: What ``ember run`` prints once its apps are deployed.
+BANNER = "Press Ctrl-C"
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log file, for failure messages."""
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
+
+
+def run_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
+    """The environment of a local ``ember run``: its own port, cache and (never joined) Ray."""
+    env = {**os.environ, "EMBER_PORT": str(port), "EMBER_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("RAY_ADDRESS", None)  # a local run: never join (and kill in) another cluster
+    return env
+
+
+class EmberRun:
+    """``ember run`` (or any command that starts it) as a child in its own session.
+
+    Args:
+        target: ``module:attr`` or ``file.py:attr`` for ``ember run``.
+        tmp_path: Where the log (``log_name``) and the run's cache go.
+        env: Extra environment, over :func:`run_env`'s.
+        unset: Variables to remove from it.
+        full_env: The whole environment instead (``EMBER_PORT`` set in it).
+        argv: A whole command line instead of ``ember run target`` (e.g. ``make run``).
+        port: The port; a free one by default.
+
+    Example:
+        >>> with EmberRun("examples/mlp_app.py:app", tmp_path) as run:  # doctest: +SKIP
+        ...     run.wait_ready(180)
+        ...     httpx.post(f"{run.url}/mlp", json={"inputs": [[0.5] * 256]})
+    """
+
+    def __init__(self, target: str, tmp_path: Path, *, env: Mapping[str, str] | None = None,
+                 argv: Sequence[str] | None = None, port: int | None = None,
+                 log_name: str = "run.log", extra_args: Sequence[str] = (),
+                 unset: Sequence[str] = (), full_env: Mapping[str, str] | None = None) -> None:
+        if full_env is not None:  # the caller built the whole environment, port included
+            port = int(full_env["EMBER_PORT"])
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(full_env) if full_env is not None else run_env(
+            tmp_path, self.port, **dict(env or {}))
+        for name in unset:
+            self.env.pop(name, None)
+        self.log = tmp_path / log_name
+        command = list(argv) if argv else [str(EMBER), "run", target, *extra_args]
+        with self.log.open("wb") as out:
+            # Own session: if SIGTERM is not enough, the SIGKILL reaches Ray's children too.
+            self.proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> EmberRun:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop(fail_on_hang=False)
+
+    def text(self) -> str:
+        """The log so far."""
+        return self.log.read_text(errors="replace")
+
+    def tail(self, chars: int = 3000) -> str:
+        """The end of the log, for failure messages."""
+        return tail(self.log, chars)
+
+    def wait_ready(self, timeout_s: float, *, http: bool = False) -> None:
+        """Fail unless the banner is printed (and ``/readyz`` is 200, if ``http``) in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{self.tail()}")
+            if BANNER in self.text() and (not http or _ready(self.url)):
+                return
+            time.sleep(0.2)
+        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{self.tail()}")
+
+    def signal_ember(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the command itself (for ``make run``: to ember, its child)."""
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 120, *, fail_on_hang: bool = True) -> int:
+        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail, if asked)."""
+        if self.proc.poll() is None:
+            self.signal_ember(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            if fail_on_hang:
+                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n{self.tail()}")
+        return int(self.proc.returncode)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- metrics -------------------------------------------------------------------------------
+def scrape(url: str, **headers: str) -> list[Sample]:
+    """Every sample of one ``/metrics`` scrape of ``url`` (any edge answers for all)."""
+    reply = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    reply.raise_for_status()
+    return [s for family in text_string_to_metric_families(reply.text) for s in family.samples]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``, in one scrape."""
+    return sum(s.value for s in scrape(url) if s.name == name
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def by_label(samples: list[Sample], name: str, label: str, **labels: str) -> dict[str, float]:
+    """``name``'s values summed by ``label``, over the samples whose labels include ``labels``."""
+    out: dict[str, float] = {}
+    for s in samples:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            out[s.labels.get(label, "")] = out.get(s.labels.get(label, ""), 0.0) + s.value
+    return out
+
+
+# -- S3 on loopback ------------------------------------------------------------------------
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                  "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """fsspec storage options that reach the moto S3 server at ``endpoint``."""
+    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint},
+            "skip_instance_cache": True}
+
+
+@contextmanager
+def moto_s3() -> Iterator[str]:
+    """moto's standalone S3 server on 127.0.0.1; yields its endpoint URL.
+
+    moto's servers in one process share their buckets: give each user a bucket of its own.
+    """
+    from moto.server import ThreadedMotoServer
+
+    for key, value in S3_CREDENTIALS.items():
+        os.environ.setdefault(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
