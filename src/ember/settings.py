@@ -61,6 +61,13 @@ class Settings(BaseSettings):
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")
     admin_keys: SecretStr | None = Field(None, description="admin keys, comma-separated")
+    admin_loopback: bool = Field(
+        False, description="admin routes answer loopback callers with no admin key (local "
+        "development only: a proxy on the host connects from loopback)",
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="let the edge listen beyond loopback with no API key",
+    )
     admin_key: SecretStr | None = Field(
         None, description="the key `ember status|warm|plan` send"
     )

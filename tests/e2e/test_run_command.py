@@ -20,7 +20,8 @@ EMBER = Path(sys.executable).with_name("ember")
 
 
 @pytest.mark.slow
-def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
            "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
@@ -43,9 +44,14 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         assert oip.status_code == 200, oip.text
         assert oip.json()["outputs"][0]["data"] == pytest.approx(reply.json()["outputs"][0],
                                                                  rel=1e-5)
+        # No admin key was set: `ember run` made one, and `ember status` finds it.
+        assert "Admin key" in output
+        assert httpx.get(f"{url}/-/status", timeout=30).status_code == 403
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
-                                text=True, timeout=60, check=True)
+                                text=True, timeout=60, check=True, env=env)
         assert "SeedMLP" in status.stdout
+        key = (tmp_path / "cache" / "admin-key").read_text().strip()
+        monkeypatch.setenv("EMBER_ADMIN_KEY", key)  # for the status polls below
         # See SeedMLP's own replica (a request at zero is served by the warm pool and starts
         # one), then see it gone: EMBER_SCALEDOWN_AFTER_S=2 takes it back to zero.
         wait_for_scale_down(url, "SeedMLP", to=0, timeout_s=90, wake=lambda: httpx.post(
@@ -111,7 +117,7 @@ def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) ->
     port = free_port()
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
            "EMBER_WARM_POOL": "0", "EMBER_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONUNBUFFERED": "1"}
+           "EMBER_ADMIN_LOOPBACK": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     env.pop("EMBER_WARM_RUNTIME", None)
     log = (tmp_path / "run.log").open("w+")

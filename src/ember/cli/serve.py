@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -28,6 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ember.cluster import runtime
 
     app = load_app(args.target)
+    key_note = _local_admin_key()
     stop = threading.Event()
     try:
         url = runtime.serve_app(app, host=args.host, port=args.port)
@@ -35,8 +38,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
-        example = (app.curl or "curl -s {url}/-/status").format(url=url)
+        example = (app.curl or "ember status --url {url}").format(url=url)
         print(f"Try: {example}", flush=True)
+        if key_note:
+            print(key_note, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         stop.wait()
         print("Shutting down...", flush=True)
@@ -45,10 +50,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def admin_key_path() -> Path:
+    """Where ``ember run`` keeps the admin key it made for this machine's CLI."""
+    cache = settings.load().cache_dir or Path.home() / ".cache" / "ember"
+    return cache / "admin-key"
+
+
+def _local_admin_key() -> str | None:
+    """With no admin key set and no loopback opt-in, give the edges one and keep it (mode
+    0600) where this machine's ``ember status|warm|plan|rollout`` read it; a note to print.
+
+    Admin routes take no call without an admin key (see ``edge/auth.py``), and the quickstart
+    must still show ``ember status``.
+    """
+    config = settings.load()
+    if config.admin_keys is not None or config.admin_loopback:
+        return None
+    path = admin_key_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another `ember run` made it just now
+            pass
+        else:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+    os.environ[settings.variable("admin_keys")] = path.read_text().strip()
+    return f"Admin key (for /-/ routes; the ember CLI reads it): {path}"
+
+
 def _admin_headers() -> dict[str, str]:
-    """``Authorization`` with ``EMBER_ADMIN_KEY`` when set: status and leases are admin routes."""
+    """``Authorization`` with ``EMBER_ADMIN_KEY``, else the key ``ember run`` made here."""
     key = settings.load().admin_key
-    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+    if key is not None:
+        return {"Authorization": f"Bearer {key.get_secret_value()}"}
+    try:
+        local = admin_key_path().read_text().strip()
+    except OSError:
+        return {}
+    return {"Authorization": f"Bearer {local}"} if local else {}
 
 
 def _get_status(url: str) -> dict[str, Any] | None:

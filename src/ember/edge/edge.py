@@ -27,6 +27,7 @@ import uvicorn
 from ember.control.listeners import bind_replica_grpc_to_node_ip
 from ember.edge._metrics import EdgeBoard
 from ember.edge._state import EDGE_DEPLOYMENT
+from ember.edge.auth import check_exposure
 from ember.edge.ingress import IngressState, build_fastapi
 
 logger = logging.getLogger("ember.edge")
@@ -84,6 +85,7 @@ class EmberEdge:
     async def __init__(self, host: str, port: int, state_args: dict[str, Any]) -> None:  # type: ignore[misc]
         bind_replica_grpc_to_node_ip()
         state = IngressState(**state_args)
+        check_exposure(host, state.keys)
         self._board = state.board = EdgeBoard(state.app_name, _edge_id())
         # Know the replica counts before taking a connection: a request must not be sent
         # to a deployment's own replicas while they are still at zero and the pool is warm.
@@ -105,6 +107,8 @@ class EmberEdge:
             raise RuntimeError(f"the edge's HTTP server on {self._host}:{self._port} stopped")
 
     async def __del__(self) -> None:
+        if not hasattr(self, "_task"):  # refused at start: nothing listens
+            return
         # Stop accepting at once (other edges keep the port), let requests in flight finish.
         self._server.should_exit = True
         await asyncio.to_thread(self._board.withdraw)
