@@ -56,7 +56,7 @@ def _client(app: Any, **kwargs: Any) -> httpx.AsyncClient:
 
 def _guarded(app: FastAPI, keys: ApiKeys) -> FastAPI:
     """The order the ingress installs: the last added is outermost."""
-    app.add_middleware(GuardMiddleware, limit_for=lambda path: 64,
+    app.add_middleware(GuardMiddleware, limit_for=lambda scope: 64,
                        on_reject=lambda path, reason: None)
     app.add_middleware(ContentEncodingMiddleware)
     app.add_middleware(RateLimitMiddleware, limiter=None)

@@ -24,6 +24,7 @@ from typing import Any
 
 import uvicorn
 
+from ember import settings
 from ember.control.listeners import bind_replica_grpc_to_node_ip
 from ember.edge._metrics import EdgeBoard
 from ember.edge._state import EDGE_DEPLOYMENT
@@ -71,6 +72,15 @@ def _edge_id() -> str:
     return str(serve.get_replica_context().replica_id.unique_id)
 
 
+def server_config(app: Any) -> uvicorn.Config:
+    """The edge's uvicorn settings: at most ``EMBER_EDGE_MAX_CONCURRENCY`` connections and
+    requests at once (uvicorn answers 503 beyond), so a flood of idle or slow connections
+    cannot take the process's memory and file descriptors."""
+    return uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
+                          log_level=logging.WARNING, timeout_keep_alive=75,
+                          limit_concurrency=settings.load().edge_max_concurrency)
+
+
 class _EdgeServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -91,10 +101,7 @@ class EmberEdge:
         # to a deployment's own replicas while they are still at zero and the pool is warm.
         await state.poll_once()
         sock = listening_socket(host, port)
-        config = uvicorn.Config(build_fastapi(state), lifespan="on", access_log=False,
-                                log_config=None, log_level=logging.WARNING,
-                                timeout_keep_alive=75)
-        self._server = _EdgeServer(config)
+        self._server = _EdgeServer(server_config(build_fastapi(state)))
         self._task = asyncio.get_running_loop().create_task(self._server.serve([sock]))
         self._host, self._port = host, port
         while not self._server.started and not self._task.done():
