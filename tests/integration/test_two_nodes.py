@@ -105,6 +105,8 @@ def cluster(stores: Stores) -> Iterator[Any]:
         # Both nodes and this driver advertise loopback, as a local cluster does (and as
         # separate machines would advertise their own addresses).
         use_loopback_node_ip()
+        # Admin routes from loopback with no admin key: the local-development opt-in.
+        patch.setenv("EMBER_ADMIN_LOOPBACK", "1")
         # Each raylet, and so each worker it starts, keeps the environment it started with:
         # a node cache of its own, as separate machines have.
         patch.setenv("EMBER_CACHE_DIR", str(stores.caches["node-a"]))
