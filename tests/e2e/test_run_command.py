@@ -46,7 +46,7 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
                                                                  rel=1e-5)
         # No admin key was set: `ember run` made one, and `ember status` finds it.
         assert "Admin key" in output
-        assert httpx.get(f"{url}/-/status", timeout=30).status_code == 403
+        assert httpx.get(f"{url}/-/status", timeout=30).status_code == 401  # no admin key
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
                                 text=True, timeout=60, check=True, env=env)
         assert "SeedMLP" in status.stdout
