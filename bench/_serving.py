@@ -33,6 +33,9 @@ SCALEDOWN_S = 2.0  # Ember variants and the peers' down path: back to zero betwe
 REPLICA_CPUS = 0.5  # Ray accounting per measured replica, so that a 2-core node holds them
 os.environ.setdefault("BENCH_MARKS_DIR",
                       str(Path(tempfile.gettempdir()) / f"bench-marks-{os.getpid()}"))
+# The benchmarks read /-/status from loopback on their own local cluster: the operator's
+# opt-in for local development, set before any app is served.
+os.environ.setdefault("EMBER_ADMIN_LOOPBACK", "1")
 MARK_KEYS = ("process_start", "init_start", "setup_done")
 #: Operator settings that would skew a benchmark that fixes them itself.
 OVERRIDES = ("EMBER_SCALEDOWN_AFTER_S", "EMBER_WARM_POOL", "EMBER_API_KEYS",

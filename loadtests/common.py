@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 import httpx
 from locust import LoadTestShape
 
+from ember import settings
+
 STATUS_PATH = "/-/status"
 
 # Locust logs at INFO; httpx would then log every status poll and warm-up request.
@@ -146,9 +148,14 @@ def check_embeddings(response: Any, sent: list[str]) -> None:
 
 
 def deployment_row(host: str, deployment: str) -> dict[str, Any] | None:
-    """The deployment's row of ``/-/status``, or None if Ember cannot say right now."""
+    """The deployment's row of ``/-/status``, or None if Ember cannot say right now.
+
+    ``/-/status`` is an admin route: the key is ``EMBER_ADMIN_KEY``'s, when set.
+    """
+    key = settings.load().admin_key
+    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
     try:
-        reply = httpx.get(f"{host.rstrip('/')}{STATUS_PATH}", timeout=10)
+        reply = httpx.get(f"{host.rstrip('/')}{STATUS_PATH}", headers=headers, timeout=10)
         rows = reply.json()["deployments"] if reply.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError):
         return None

@@ -132,8 +132,9 @@ class Server:
     def start(self, timeout_s: float) -> str:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        # The status sampler calls /-/status from loopback: the local-development opt-in.
         env = {**os.environ, "EMBER_SCALEDOWN_AFTER_S": str(self.scaledown_s),
-               "PYTHONUNBUFFERED": "1", **self.env}
+               "EMBER_ADMIN_LOOPBACK": "1", "PYTHONUNBUFFERED": "1", **self.env}
         cmd = [sys.executable, "-m", "ember.cli", "run", self.target,
                "--host", "127.0.0.1", "--port", str(port)]
         with self.log_path.open("wb") as log:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -35,9 +36,15 @@ def wait_for(predicate: Callable[[], T | None], timeout_s: float, interval_s: fl
     pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def admin_headers() -> dict[str, str]:
+    """The admin key of ``EMBER_ADMIN_KEY`` when a test set it (else the loopback opt-in)."""
+    key = os.environ.get("EMBER_ADMIN_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def deployment_status(url: str, name: str) -> dict[str, Any]:
     """One deployment's row of ``/-/status``."""
-    reply = httpx.get(f"{url}/-/status", timeout=10)
+    reply = httpx.get(f"{url}/-/status", headers=admin_headers(), timeout=10)
     reply.raise_for_status()
     for row in reply.json()["deployments"]:
         if row["deployment"] == name:
@@ -80,7 +87,8 @@ def every_edge_sees(url: str, name: str, replicas: int) -> bool:
     seen: dict[int, int] = {}
     expected = 1
     for _ in range(24):
-        reply = httpx.get(f"{url}/-/status", timeout=10)  # a new connection each time
+        # A new connection each time.
+        reply = httpx.get(f"{url}/-/status", headers=admin_headers(), timeout=10)
         reply.raise_for_status()
         status = reply.json()
         expected = max(expected, int(status["edges"]["running"]))

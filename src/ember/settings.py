@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     scaledown_after_s: float | None = Field(
         None, ge=0, allow_inf_nan=False, description="overrides every deployment's quiet time"
     )
+    body_timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="a request body must arrive whole within "
+        "this, else 408",
+    )
+    edge_max_concurrency: int = Field(
+        2048, ge=1, description="connections and requests one edge holds before answering 503",
+    )
     access_log: bool = Field(False, description="Ray Serve's per-request access log lines")
     textgen_model: str | None = Field(
         None, description="the textgen app's model: a transformers directory or hf://org/name "
@@ -61,6 +68,13 @@ class Settings(BaseSettings):
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")
     admin_keys: SecretStr | None = Field(None, description="admin keys, comma-separated")
+    admin_loopback: bool = Field(
+        False, description="admin routes answer loopback callers with no admin key (local "
+        "development only: a proxy on the host connects from loopback)",
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="let the edge listen beyond loopback with no API key",
+    )
     admin_key: SecretStr | None = Field(
         None, description="the key `ember status|warm|plan` send"
     )

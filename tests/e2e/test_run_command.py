@@ -16,7 +16,8 @@ from support import every_edge_sees, wait_for, wait_for_scale_down
 
 
 @pytest.mark.slow
-def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = EmberRun("examples/mlp_app.py:app", tmp_path, env={"EMBER_SCALEDOWN_AFTER_S": "2"})
     url = run.url
     try:
@@ -33,9 +34,14 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         assert oip.status_code == 200, oip.text
         assert oip.json()["outputs"][0]["data"] == pytest.approx(reply.json()["outputs"][0],
                                                                  rel=1e-5)
+        # No admin key was set: `ember run` made one, and `ember status` finds it.
+        assert "Admin key" in output
+        assert httpx.get(f"{url}/-/status", timeout=30).status_code == 401  # no admin key
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
-                                text=True, timeout=60, check=True)
+                                text=True, timeout=60, check=True, env=run.env)
         assert "SeedMLP" in status.stdout
+        key = (tmp_path / "cache" / "admin-key").read_text().strip()
+        monkeypatch.setenv("EMBER_ADMIN_KEY", key)  # for the status polls below
         # See SeedMLP's own replica (a request at zero is served by the warm pool and starts
         # one), then see it gone: EMBER_SCALEDOWN_AFTER_S=2 takes it back to zero.
         wait_for_scale_down(url, "SeedMLP", to=0, timeout_s=90, wake=lambda: httpx.post(
@@ -94,7 +100,8 @@ def _phases(reply: httpx.Response) -> dict[str, str]:
 @pytest.mark.slow
 def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) -> None:
     run = EmberRun("examples/mlp_app.py:app", tmp_path, unset=["EMBER_WARM_RUNTIME"],
-                   env={"EMBER_SCALEDOWN_AFTER_S": "2", "EMBER_WARM_POOL": "0"})
+                   env={"EMBER_SCALEDOWN_AFTER_S": "2", "EMBER_WARM_POOL": "0",
+                        "EMBER_ADMIN_LOOPBACK": "1"})
     url = run.url
     body = {"inputs": [[0.5] * 256]}
     try:

@@ -30,6 +30,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
     # Set before Ray starts so that every worker inherits it (see apps/faults.py).
     os.environ["EMBER_TEST_STATE_DIR"] = str(tmp_path_factory.mktemp("replica-state"))
+    # The tests call admin routes from loopback with no admin key: the operator's opt-in for
+    # local development (tests/integration/test_auth_routes.py covers the keyed admin path).
+    os.environ.setdefault("EMBER_ADMIN_LOOPBACK", "1")
     # Fractional CPUs: every test deployment asks for 0.1-0.25 CPU on this 2-core machine.
     # No warm runtime: preloading torch in every worker of this shared cluster would cost each
     # test app's edges and replicas seconds and 300 MB; tests/e2e covers it under `ember run`.

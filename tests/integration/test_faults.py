@@ -143,9 +143,14 @@ def test_deployment_that_cannot_start_answers_503_not_a_hang(url: str) -> None:
     assert reply.status_code == 503, reply.text
     assert time.monotonic() - started < 60
     assert reply.headers.get("retry-after")
+    # The caller learns that it failed and the request id, not why: the constructor's
+    # exception (file paths, URLs) is for the operator.
+    error = reply.json()["error"]
+    assert "failed to start" in error["message"] and error["request_id"]
+    assert "weights are nowhere" not in reply.text and "FileNotFoundError" not in reply.text
     status = deployment_status(url, "Broken")
     assert status["status"] in ("UNHEALTHY", "DEPLOY_FAILED")
-    assert status["message"]  # Ray Serve's reason, shown by `ember status --json`
+    assert "weights are nowhere" in status["message"]  # shown by `ember status --json`
 
 
 def test_slow_setup_is_not_mistaken_for_a_failed_health_check(url: str) -> None:

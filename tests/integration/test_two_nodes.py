@@ -108,6 +108,8 @@ def cluster(stores: Stores) -> Iterator[Any]:
         # landed here, and their teardown killed this cluster's Serve controller): keep it
         # private.
         patch.setattr(ray._private.utils, "write_ray_address", lambda *_, **__: None)
+        # Admin routes from loopback with no admin key: the local-development opt-in.
+        patch.setenv("EMBER_ADMIN_LOOPBACK", "1")
         # Each raylet, and so each worker it starts, keeps the environment it started with:
         # a node cache of its own, as separate machines have.
         patch.setenv("EMBER_CACHE_DIR", str(stores.caches["node-a"]))

@@ -1,4 +1,4 @@
-"""Admin is not invoke: ``/-/`` routes take admin keys, or loopback callers when none is set."""
+"""Admin is not invoke: ``/-/`` routes take admin keys, or loopback callers by explicit opt-in."""
 
 from __future__ import annotations
 
@@ -43,17 +43,35 @@ def test_with_admin_keys_an_invoke_key_is_forbidden_on_admin_routes() -> None:
     assert _status(keys, "/embed", key=ADMIN) == 200
 
 
-def test_without_admin_keys_admin_routes_answer_loopback_only() -> None:
+def test_without_admin_keys_admin_routes_are_closed_even_to_loopback() -> None:
+    # A TLS proxy on the same host connects from loopback: loopback is no proof of anything.
     open_keys = ApiKeys([])
+    assert _status(open_keys, "/-/warm/x", client="127.0.0.1") == 403
+    assert _status(open_keys, "/-/status", client="::1") == 403
+    assert _status(open_keys, "/embed", client="203.0.113.9") == 200
+    assert _status(ApiKeys([INVOKE]), "/-/status", key=INVOKE) == 403
+
+
+def test_the_loopback_opt_in_opens_admin_routes_to_loopback_callers_only() -> None:
+    open_keys = ApiKeys([], admin_loopback=True)
     assert _status(open_keys, "/-/warm/x", client="127.0.0.1") == 200
     assert _status(open_keys, "/-/warm/x", client="::1") == 200
     assert _status(open_keys, "/-/warm/x", client="203.0.113.9") == 403
     assert _status(open_keys, "/embed", client="203.0.113.9") == 200
     # Invoke auth still applies to loopback callers when it is on.
-    invoke_only = ApiKeys([INVOKE])
+    invoke_only = ApiKeys([INVOKE], admin_loopback=True)
     assert _status(invoke_only, "/-/status") == 401
     assert _status(invoke_only, "/-/status", key=INVOKE) == 200
     assert _status(invoke_only, "/-/status", key=INVOKE, client="203.0.113.9") == 403
+    assert ApiKeys.from_env({"EMBER_ADMIN_LOOPBACK": "1"}).admin_loopback
+    assert not ApiKeys.from_env({}).admin_loopback
+
+
+def test_admin_keys_alone_leave_invoke_routes_open_and_admin_routes_keyed() -> None:
+    keys = ApiKeys([], [ADMIN])
+    assert _status(keys, "/embed", client="203.0.113.9") == 200
+    assert _status(keys, "/-/status") == 401
+    assert _status(keys, "/-/status", key=ADMIN, client="203.0.113.9") == 200
 
 
 def test_admin_keys_come_from_their_own_variable() -> None:
@@ -68,12 +86,14 @@ def test_admin_keys_come_from_their_own_variable() -> None:
 ])
 def test_a_lease_over_its_cap_is_a_400_naming_the_limit(query: str, param: str,
                                                          limit: str) -> None:
-    state = IngressState("caps", [], {"Model": DeploymentOptions(max_replicas=4)}, {}, {})
+    state = IngressState("caps", [], {"Model": DeploymentOptions(max_replicas=4)}, {}, {},
+                         keys=ApiKeys([], [ADMIN]))
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=build_fastapi(state), client=("127.0.0.1", 5000))
         async with httpx.AsyncClient(transport=transport, base_url="http://edge") as http:
-            return await http.post(f"/-/warm/Model?{query}")
+            return await http.post(f"/-/warm/Model?{query}",
+                                   headers={"Authorization": f"Bearer {ADMIN}"})
 
     reply = asyncio.run(go())
     assert reply.status_code == 400, reply.text

@@ -45,7 +45,7 @@ def _app() -> FastAPI:
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse({"n": len(await request.body())})
 
-    app.add_middleware(GuardMiddleware, limit_for=lambda path: 16,
+    app.add_middleware(GuardMiddleware, limit_for=lambda scope: 16,
                        on_reject=lambda path, reason: rejected.append((path, reason)))
     return app
 

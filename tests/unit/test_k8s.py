@@ -57,7 +57,8 @@ def test_the_schema_is_a_valid_json_schema() -> None:
 def test_the_flagship_manifest_printed_by_the_cli_validates(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s", "--image", "registry.example/ember:1"]) == 0
-    manifest = yaml.safe_load(capsys.readouterr().out)
+    manifest, policy = yaml.safe_load_all(capsys.readouterr().out)
+    assert policy["kind"] == "NetworkPolicy"
     validate(manifest)
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     assert manifest["metadata"]["name"] == "embeddings"
@@ -69,11 +70,12 @@ def test_the_flagship_manifest_printed_by_the_cli_validates(
 
 def test_json_output_is_the_same_manifest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s"]) == 0
-    from_yaml = yaml.safe_load(capsys.readouterr().out)
+    from_yaml = list(yaml.safe_load_all(capsys.readouterr().out))
     assert main(["deploy", FLAGSHIP, "--k8s", "--json"]) == 0
     from_json = json.loads(capsys.readouterr().out)
-    validate(from_json)
-    assert from_json == from_yaml
+    assert (from_json["apiVersion"], from_json["kind"]) == ("v1", "List")
+    validate(from_json["items"][0])
+    assert from_json["items"] == from_yaml
 
 
 def test_deploy_without_a_target_platform_says_what_to_add(
@@ -152,8 +154,9 @@ def test_settings_travel_and_keys_come_from_a_secret() -> None:
     env = {e["name"]: e for e in head["containers"][0]["env"]}
     assert env["EMBER_SCALEDOWN_AFTER_S"]["value"] == "30"
     assert env["EMBER_PORT"]["value"] == "8100"
+    # Required: a missing or misspelt Secret stops the pods rather than serving with no key.
     assert env["EMBER_API_KEYS"]["valueFrom"]["secretKeyRef"] == {
-        "name": "tests-ember-keys", "key": "EMBER_API_KEYS", "optional": True}
+        "name": "tests-ember-keys", "key": "EMBER_API_KEYS", "optional": False}
     assert "sk-live-secret" not in json.dumps(manifest) and "adm-secret" not in json.dumps(manifest)
     assert "EMBER_URL" not in env and "HOME" not in env
     assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]["value"] == "0.05"
@@ -221,3 +224,48 @@ def test_worker_pods_get_probes_and_a_grace_that_covers_the_longest_drain() -> N
         assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8000}
         assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["sleep",
                                                                       str(k8s.PRESTOP_S)]
+def _pods(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    return [g["template"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_rays_ports_are_closed_to_other_pods_and_only_the_edge_port_is_open() -> None:
+    app = ember.App([Small, Big], name="tests", warm_pool=0)
+    service, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="img:1"),
+                                    environ={"EMBER_PORT": "8100"}, ray_version="2.60.0")
+    validate(service)
+    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    # It covers every pod of the cluster, head and workers.
+    assert all(_selects(spec["podSelector"], pod["metadata"]["labels"])
+               for pod in _pods(service))
+    own, operator, anyone = spec["ingress"]
+    # The cluster's own pods reach any port: Ray's processes talk on many.
+    assert own["from"] == [{"podSelector": spec["podSelector"]}] and "ports" not in own
+    # KubeRay's operator reaches the dashboard only, to submit the Serve config.
+    assert operator["ports"] == [{"protocol": "TCP", "port": k8s.HEAD_PORTS["dashboard"]}]
+    assert operator["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kuberay-operator"}
+    # Everyone else reaches the edges' port, and nothing else: no GCS, dashboard, client.
+    assert "from" not in anyone and anyone["ports"] == [{"protocol": "TCP", "port": 8100}]
+    open_to_all = {p["port"] for rule in spec["ingress"] if not rule.get("from")
+                   for p in rule["ports"]}
+    assert open_to_all.isdisjoint(k8s.HEAD_PORTS.values())
+
+
+def test_ray_token_auth_guards_the_dashboard_and_gcs() -> None:
+    service = manifest_of(ember.App([Small], name="tests", warm_pool=0))
+    validate(service)
+    assert service["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+
+
+def test_the_policy_lives_in_the_apps_namespace() -> None:
+    app = ember.App([Small], name="tests", warm_pool=0)
+    _, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="i", namespace="ml"),
+                              environ={}, ray_version="2.60.0")
+    assert policy["metadata"]["namespace"] == "ml"

@@ -14,8 +14,8 @@ from ember.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_environment_table_lists_exactly_the_settings() -> None:
-    text = (ROOT / "README.md").read_text()
+def test_the_environment_table_lists_exactly_the_settings() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
     table = text.split("| variable |", 1)[1].split("\n\n", 1)[0]
     listed = set(re.findall(r"^\| `(EMBER_\w+)`", table, flags=re.M))
     assert listed == set(settings.variables())

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+from pathlib import Path
 
+from ember import settings
 from ember.app.app import App
 from ember.app.targets import load_app
 from ember.cli._signals import (
@@ -51,12 +54,15 @@ def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
     from ember.cluster import runtime
 
     drained = True
+    key_note = _local_admin_key()
     try:
         url = runtime.serve_app(app, host=args.host, port=args.port, stop=signals.stop)
         if not signals.stop.is_set():
             print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
-            example = (app.curl or "curl -s {url}/-/status").format(url=url)
+            example = (app.curl or "ember status --url {url}").format(url=url)
             print(f"Try: {example}", flush=True)
+            if key_note:
+                print(key_note, flush=True)
             print("Press Ctrl-C to stop.", flush=True)
         signals.stop.wait()
         print("Shutting down...", flush=True)
@@ -66,3 +72,33 @@ def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         runtime.shutdown()
     return EXIT_OK if drained else EXIT_DRAIN_TIMEOUT
+
+
+def admin_key_path() -> Path:
+    """Where ``ember run`` keeps the admin key it made for this machine's CLI."""
+    cache = settings.load().cache_dir or Path.home() / ".cache" / "ember"
+    return cache / "admin-key"
+
+
+def _local_admin_key() -> str | None:
+    """With no admin key set and no loopback opt-in, give the edges one and keep it (mode
+    0600) where this machine's ``ember status|warm|plan|rollout`` read it; a note to print.
+
+    Admin routes take no call without an admin key (see ``edge/auth.py``), and the quickstart
+    must still show ``ember status``.
+    """
+    config = settings.load()
+    if config.admin_keys is not None or config.admin_loopback:
+        return None
+    path = admin_key_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another `ember run` made it just now
+            pass
+        else:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+    os.environ[settings.variable("admin_keys")] = path.read_text().strip()
+    return f"Admin key (for /-/ routes; the ember CLI reads it): {path}"

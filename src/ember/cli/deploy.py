@@ -1,4 +1,5 @@
-"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app.
+"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app, and the
+``NetworkPolicy`` that keeps Ray's ports to the cluster's own pods.
 
 The manifest is built by ``cluster/k8s.py`` from the app's deployments and this process's
 ``EMBER_*`` settings; apply it with ``kubectl apply -f -``. The app is imported here only to
@@ -34,9 +35,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(str(exc)) from None
-    manifest = k8s.rayservice(app, args.target, shape, environ=os.environ,
-                              ray_version=metadata.version("ray"))
-    print(json.dumps(manifest, indent=2) if args.json else k8s.to_yaml(manifest), end="")
+    items = k8s.manifests(app, args.target, shape, environ=os.environ,
+                          ray_version=metadata.version("ray"))
+    print(json.dumps(k8s.to_list(items), indent=2) if args.json
+          else k8s.to_yaml_documents(items), end="")
     if args.json:
         print()
     return 0

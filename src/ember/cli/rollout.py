@@ -1,6 +1,6 @@
 """``ember rollout`` and ``ember rollback``: stepped rollouts of a version, run in the cluster.
 
-The CLI only asks: the rollout runs in the cluster (``edge/rollouts.py``) and goes
+The CLI only asks: the rollout runs in the cluster (``control/rollout_driver.py``) and goes
 on after the command exits. ``ember rollout Embed --status`` reads where it is.
 """
 

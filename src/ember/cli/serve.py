@@ -16,16 +16,22 @@ from typing import Any
 import httpx
 
 from ember import settings
-from ember.cli._run import cmd_run
+from ember.cli._run import admin_key_path, cmd_run
 from ember.cluster import capacity
 from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
 
 
 def _admin_headers() -> dict[str, str]:
-    """``Authorization`` with ``EMBER_ADMIN_KEY`` when set: status and leases are admin routes."""
+    """``Authorization`` with ``EMBER_ADMIN_KEY``, else the key ``ember run`` made here."""
     key = settings.load().admin_key
-    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+    if key is not None:
+        return {"Authorization": f"Bearer {key.get_secret_value()}"}
+    try:
+        local = admin_key_path().read_text().strip()
+    except OSError:
+        return {}
+    return {"Authorization": f"Bearer {local}"} if local else {}
 
 
 def _get_status(url: str) -> dict[str, Any] | None:

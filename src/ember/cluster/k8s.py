@@ -11,10 +11,12 @@ Kubernetes or Ray. The manifest holds:
   shape given, its group's ``minReplicas`` holds the warm floors and the warm pool, its
   ``maxReplicas`` every deployment at ``max_replicas``. Ray's autoscaler moves between them
   as Ember's policy asks Serve for replicas, so idle deployments give their pods back.
-- Ember's settings as ``EMBER_*`` variables, invoke and admin keys from a Secret, Ray Serve's
-  throughput and cold-start settings, and for the worker pods, where the edges run: a
-  readiness probe on ``/readyz`` and a liveness probe on ``/healthz`` at Ember's port, a
-  short pre-stop wait and a termination grace that covers the longest drain.
+- Ember's settings as ``EMBER_*`` variables, invoke and admin keys from a Secret (the invoke
+  keys required), Ray Serve's throughput and cold-start settings, and for the worker pods,
+  where the edges run: a readiness probe on ``/readyz`` and a liveness probe on ``/healthz`` at
+  Ember's port, a short pre-stop wait and a termination grace that covers the longest drain.
+- Ray's token auth (``authOptions``), and beside the ``RayService`` a ``NetworkPolicy``: only
+  the cluster's own pods reach Ray's ports, only the edges' port is open to the ingress.
 
 The head pod keeps KubeRay's own readiness probe: KubeRay submits the Serve config only once
 the head is ready, so a head that waited for the app to be ready would never get one.
@@ -197,11 +199,7 @@ def container_env(environ: Mapping[str, str], *, port: int,
         skip = field in CLIENT_SETTINGS or field in SECRET_SETTINGS or field == "port"
         if not skip and environ.get(name):
             env.append({"name": name, "value": environ[name]})
-    for field in SECRET_SETTINGS:
-        name = settings.variable(field)
-        # Optional: without the Secret the app runs open, as it does locally without keys.
-        ref = {"name": secret, "key": name, "optional": True}
-        env.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
+    env += secret_env(secret)
     ray_env = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS}
     env += [{"name": k, "value": v} for k, v in sorted(ray_env.items())]
     return env
@@ -303,7 +301,7 @@ def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[s
                                                          "app.kubernetes.io/managed-by": "ember"}}
     if shape.namespace:
         metadata["namespace"] = shape.namespace
-    return {
+    return secured({
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": metadata,
@@ -321,7 +319,91 @@ def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[s
                                      for g in worker_groups(app, shape)],
             },
         },
+    })
+
+
+# -- Who may reach the cluster -------------------------------------------------------------
+# Ray's head listens for its GCS, dashboard and client ports on every interface, and the
+# dashboard's job API runs any code on every node: only the cluster's own pods (and the
+# KubeRay operator, which submits the Serve config to the dashboard) may reach them, and
+# Ray's token auth guards them too. Only the edges' HTTP port is open to the ingress.
+
+#: Label every pod of the app carries; the NetworkPolicy selects the cluster's pods by it.
+POD_LABEL = "ember.dev/app"
+#: Labels of KubeRay's operator pods (its Helm chart's), in any namespace.
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+
+
+def secret_env(secret: str) -> list[dict[str, Any]]:
+    """The keys' variables, from ``secret``. Invoke keys are required: a missing or misspelt
+    Secret stops the pods instead of serving every route with no key. Admin keys may be
+    absent: admin routes then answer no one (see ``edge/auth.py``)."""
+    env = []
+    for field in SECRET_SETTINGS:
+        name = settings.variable(field)
+        ref = {"name": secret, "key": name, "optional": field != "api_keys"}
+        env.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def ray_auth_options() -> dict[str, Any]:
+    """Ray's token auth (Ray 2.52+, KubeRay 1.5.1+): KubeRay makes a token Secret and sets
+    ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` in every Ray container, and uses it itself."""
+    return {"mode": "token"}
+
+
+def secured(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with Ray's token auth on and every pod labelled for the NetworkPolicy."""
+    name = manifest["metadata"]["name"]
+    cluster = manifest["spec"]["rayClusterConfig"]
+    cluster["authOptions"] = ray_auth_options()
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        meta = group["template"].setdefault("metadata", {})
+        meta.setdefault("labels", {})[POD_LABEL] = name
+    return manifest
+
+
+def network_policy(manifest: Mapping[str, Any], port: int) -> dict[str, Any]:
+    """The ``NetworkPolicy`` for ``manifest``'s pods: any port from the cluster's own pods
+    (Ray's processes talk on many), the dashboard from KubeRay's operator, and only the
+    edges' ``port`` from anywhere else (the ingress; the edges ask for API keys)."""
+    name = manifest["metadata"]["name"]
+    own = {"podSelector": {"matchLabels": {POD_LABEL: name}}}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_LABELS}}
+    metadata: dict[str, Any] = {"name": f"{name}-ember",
+                                "labels": dict(manifest["metadata"]["labels"])}
+    if "namespace" in manifest["metadata"]:
+        metadata["namespace"] = manifest["metadata"]["namespace"]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {
+            "podSelector": {"matchLabels": {POD_LABEL: name}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [own]},
+                {"from": [operator],
+                 "ports": [{"protocol": "TCP", "port": HEAD_PORTS["dashboard"]}]},
+                {"ports": [{"protocol": "TCP", "port": port}]},
+            ],
+        },
     }
+
+
+def serve_port(manifest: Mapping[str, Any]) -> int:
+    """The edges' port in ``manifest`` (the worker containers' ``serve`` port)."""
+    head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    ports = head["containers"][0]["ports"]
+    return int(next(p["containerPort"] for p in ports if p["name"] == "serve"))
+
+
+def manifests(app: App, target: str, shape: ClusterShape, *, environ: Mapping[str, str],
+              ray_version: str) -> list[dict[str, Any]]:
+    """What ``ember deploy --k8s`` writes: the ``RayService`` and its ``NetworkPolicy``."""
+    service = rayservice(app, target, shape, environ=environ, ray_version=ray_version)
+    return [service, network_policy(service, serve_port(service))]
 
 
 class _BlockDumper(yaml.SafeDumper):
@@ -343,3 +425,13 @@ _BlockDumper.add_representer(str, _str_block)
 def to_yaml(manifest: Mapping[str, Any]) -> str:
     """``manifest`` as YAML, keys in the order built, the Serve config as a literal block."""
     return yaml.dump(dict(manifest), Dumper=_BlockDumper, sort_keys=False)
+
+
+def to_yaml_documents(items: Iterable[Mapping[str, Any]]) -> str:
+    """Several manifests as one multi-document YAML stream (``kubectl apply -f -`` takes it)."""
+    return "---\n".join(to_yaml(item) for item in items)
+
+
+def to_list(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several manifests as one ``v1`` ``List`` (the JSON form ``kubectl apply`` takes)."""
+    return {"apiVersion": "v1", "kind": "List", "items": [dict(i) for i in items]}

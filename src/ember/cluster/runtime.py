@@ -27,7 +27,7 @@ from ember.control import snapshot_placement, warm_runtime
 from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
-from ember.edge.auth import ApiKeys
+from ember.edge.auth import ApiKeys, check_exposure
 from ember.edge.drain import WATCH_PERIOD_S
 from ember.edge.edge import (
     DRAIN_S,
@@ -130,6 +130,8 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         # Read where the operator set them; only key digests travel to the edges.
         "keys": ApiKeys.from_env(), "limiter": RateLimiter.from_env(),
     }
+    # Refuse here too, before anything is deployed: the edges would refuse to start.
+    check_exposure(host, state_args["keys"])
     return edge.bind(host, default_port() if port is None else port, state_args)
 
 

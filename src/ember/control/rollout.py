@@ -22,7 +22,7 @@ since the rollout began.
 
 Everything here is pure: :func:`tick` takes the rollout, the clock and what the edges
 counted, and returns the next rollout and what to change. The driver that runs it in the
-cluster (``edge/rollouts.py``) reads the edges' counters and applies the changes.
+cluster (``control/rollout_driver.py``) reads the edges' counters and applies the changes.
 """
 
 from __future__ import annotations

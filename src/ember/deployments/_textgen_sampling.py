@@ -6,6 +6,7 @@ same whatever else shares its batch. ``temperature == 0`` is greedy (argmax).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +88,36 @@ class StopText:
         return out
 
     def _partial_tail(self) -> int:
-        """Length of the longest suffix of the text that begins some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        """Length of the longest suffix of the text that begins some stop string.
+
+        Linear in the stop strings' length per token (a KMP scan of the text's last
+        ``len(stop) - 1`` characters), where trying every prefix with ``endswith`` was
+        quadratic, on the replica's event loop.
+        """
+        return max((_overlap(self.text, stop) for stop in self.stops if stop), default=0)
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of ``stop`` that ``text`` ends with."""
+    fail = _failure(stop)
+    matched = 0
+    for ch in text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else "":
+        while matched and stop[matched] != ch:
+            matched = fail[matched - 1]
+        if stop[matched] == ch:
+            matched += 1
+    return matched
+
+
+@functools.lru_cache(maxsize=256)
+def _failure(stop: str) -> tuple[int, ...]:
+    """KMP's failure function: per prefix, its longest proper prefix that is also a suffix."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)

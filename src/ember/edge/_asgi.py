@@ -1,13 +1,17 @@
 """HTTP plumbing of the ingress: request ids, body limits, and error responses.
 
 ``GuardMiddleware`` is a pure ASGI middleware (no Starlette ``BaseHTTPMiddleware``, which
-buffers and breaks streaming). It assigns a request id, and for requests with a body it
-reads at most ``limit + 1`` bytes before answering 413, whether or not the client sent
-Content-Length, so an oversized upload is refused without being read whole.
+buffers and breaks streaming). It assigns a request id, and for every request, whatever its
+method, it reads at most ``limit + 1`` bytes before answering 413, whether or not the client
+sent Content-Length, so an oversized upload is refused without being read whole. The limit
+is the route's (the ingress looks the path up first: admin and unknown paths get a small
+one), and the whole body must arrive within a deadline (408), so a client that trickles a
+body cannot hold a connection and its buffer open for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -23,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.errors import (
+    BodyTimeout,
     EmberError,
     InvalidBody,
     MalformedJSON,
@@ -36,9 +41,8 @@ logger = logging.getLogger("ember.ingress")
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
-LimitLookup = Callable[[str], int]
+LimitLookup = Callable[[Scope], int]
 RejectHook = Callable[[str, str], None]
 
 
@@ -141,10 +145,12 @@ class ColdStartHeaderMiddleware:
 class GuardMiddleware:
     """Request ids and body-size limits, before any route code runs."""
 
-    def __init__(self, app: ASGIApp, *, limit_for: LimitLookup, on_reject: RejectHook) -> None:
+    def __init__(self, app: ASGIApp, *, limit_for: LimitLookup, on_reject: RejectHook,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.limit_for = limit_for
         self.on_reject = on_reject
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -155,16 +161,24 @@ class GuardMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         if serve_id is None:  # behind Ray Serve's proxy, it already sends X-Request-Id
             send = _with_request_id(send, request_id)
-        if scope["method"] in _BODY_METHODS:
-            limit = self.limit_for(scope["path"])
-            body = await _read_limited(scope, receive, limit)
-            if body is None:
+        # Every method: a DELETE (or a GET) may carry a body too, and must not be read whole.
+        limit = self.limit_for(scope)
+        err: EmberError | None = None
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await _read_limited(scope, receive, limit)
+        except TimeoutError:
+            body, err = None, BodyTimeout(timeout_s=self.body_timeout_s)
+            self.on_reject(scope["path"], "body_timeout")
+        if body is None:
+            if err is None:
                 self.on_reject(scope["path"], "too_large")
                 err = PayloadTooLarge(limit=limit, path=scope["path"])
-                await error_response(err, request_id)(scope, receive, send)
-                return
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+            response = error_response(err, request_id)
+            response.headers["connection"] = "close"  # the rest of the body is not read
+            await response(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
 
 async def _read_limited(scope: Scope, receive: Receive, limit: int) -> bytes | None:

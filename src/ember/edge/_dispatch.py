@@ -111,6 +111,8 @@ class Dispatcher:
                 self._pool_of.update(dict.fromkeys(names, call))
         self._gpu_pooled = gpu_pool_names if gpu_pool is not None else frozenset()
         self._woken_at: dict[str, float] = {}
+        #: The last failed-start reason logged per deployment.
+        self._logged_failures: dict[str, str] = {}
         self._placing: dict[str, asyncio.Future[None]] = {}
         self.tracker = tracker
 
@@ -351,10 +353,19 @@ class Dispatcher:
                 for name in names:
                     load = self.tracker.loads[name]
                     if load.running == 0 and load.status in _FAILED_STATUSES:
-                        raise DeploymentUnavailable(load.message or load.status,
-                                                    deployment=name)
+                        raise self._failed_start(name, load.status, load.message)
         finally:
             task.cancel()
+
+    def _failed_start(self, name: str, status: str, detail: str) -> DeploymentUnavailable:
+        """A 503 that says only that ``name`` failed to start; the reason (the constructor's
+        exception, a loader's error with its URLs) goes to the log and ``ember status``."""
+        if self._logged_failures.get(name) != detail:  # once per reason, not per request
+            self._logged_failures[name] = detail
+            logger.warning("deployment %s failed to start (%s): %s", name, status, detail)
+        return DeploymentUnavailable(
+            "it failed to start; the operator finds why in the edge log and `ember status`",
+            deployment=name)
 
     def _refuse_unplaced(self, names: list[str]) -> None:
         """503 at once for a stage whose replica no node has room for (see placement.py)."""
@@ -375,8 +386,11 @@ class Dispatcher:
             limit = self._options[name].max_queue
             return QueueFull(deployment=name, queued=self.tracker.loads[name].queued, limit=limit)
         if isinstance(exc, RayActorError):  # the replica process died under this request
-            return DeploymentUnavailable(str(exc).splitlines()[0], deployment=name,
-                                         lost_replica=True)
+            # Ray's message names nodes, processes and actors: the log's, not the caller's.
+            logger.warning("request %s: a replica of %s was lost: %s", request_id, name,
+                           str(exc).splitlines()[0])
+            return DeploymentUnavailable("its replica was lost while serving this request",
+                                         deployment=name, lost_replica=True)
         # Over Serve's gRPC transport a handler's exception arrives as raised, unwrapped.
         return _user_error(name, exc, request_id)
 

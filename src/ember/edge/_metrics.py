@@ -6,8 +6,6 @@ collide on metric names; :class:`EdgeBoard` merges the edges' metrics for a scra
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from ember.control.edge_reports import EdgeReports
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -89,7 +89,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class EdgeBoard:
+class EdgeBoard(EdgeReports):
     """Every edge's metrics and status in one answer: each edge publishes, any edge answers.
 
     The kernel spreads connections over the edges, so a scrape or a status call reaches one
@@ -98,27 +98,6 @@ class EdgeBoard:
     sample labelled with its ``edge``, as Prometheus labels per-instance series; ``/-/status``
     adds up the edges' request counts. An edge silent for ``STALE_S`` is dropped.
     """
-
-    NAMESPACE = "ember"
-    STALE_S = 30.0
-
-    def __init__(self, app: str, edge: str) -> None:
-        self.app, self.edge = app, edge
-
-    def _key(self, edge: str) -> str:
-        return f"metrics:{self.app}:{edge}"
-
-    def publish(self, text: bytes, status: dict[str, Any]) -> None:
-        from ray.experimental import internal_kv
-
-        value = json.dumps({"at": time.time(), "text": text.decode(), "status": status}).encode()
-        internal_kv._internal_kv_put(self._key(self.edge), value, overwrite=True,
-                                     namespace=self.NAMESPACE)
-
-    def withdraw(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self._key(self.edge), namespace=self.NAMESPACE)
 
     def render_all(self, own: bytes) -> bytes:
         """This edge's ``own`` exposition merged with every other edge's fresh one."""
@@ -149,24 +128,6 @@ class EdgeBoard:
 
     def _others(self) -> dict[str, dict[str, Any]]:
         return {edge: value for edge, value in self.published().items() if edge != self.edge}
-
-    def published(self) -> dict[str, dict[str, Any]]:
-        """Every edge's fresh publication (``at``, ``text``, ``status``), by edge id."""
-        from ray.experimental import internal_kv
-
-        prefix = self._key("")
-        found = {}
-        for key in internal_kv._internal_kv_list(prefix, namespace=self.NAMESPACE):
-            edge = key.decode()[len(prefix):]
-            raw = internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
-            try:
-                value = json.loads(raw or b"")
-                fresh = time.time() - float(value["at"]) < self.STALE_S
-            except (ValueError, KeyError, TypeError):  # damaged: skip it rather than fail
-                continue
-            if fresh:
-                found[edge] = value
-        return found
 
 
 def _add_counts(mine: dict[str, Any], other: dict[str, Any]) -> None:

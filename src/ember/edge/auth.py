@@ -1,7 +1,9 @@
 """API keys: bearer-token authentication for every route but the health probes.
 
-Auth is on when at least one key is configured (``EMBER_API_KEYS``, comma-separated, and/or
-``EMBER_API_KEYS_FILE``, one key per line with ``#`` comments). ``AuthMiddleware`` is a pure
+Invoke auth is on when at least one invoke key is configured (``EMBER_API_KEYS``,
+comma-separated, and/or ``EMBER_API_KEYS_FILE``, one key per line with ``#`` comments);
+admin routes (``/-/``) always need an admin key (``EMBER_ADMIN_KEYS``) unless the operator
+opts in by name (``EMBER_ADMIN_LOOPBACK=1``). ``AuthMiddleware`` is a pure
 ASGI middleware that answers 401 before any route, docs page or body read happens, so an
 unauthenticated caller learns nothing about which routes exist, not even from a 404.
 
@@ -39,6 +41,8 @@ logger = logging.getLogger("ember.auth")
 KEYS_ENV = settings.variable("api_keys")
 KEYS_FILE_ENV = settings.variable("api_keys_file")
 ADMIN_KEYS_ENV = settings.variable("admin_keys")
+ADMIN_LOOPBACK_ENV = settings.variable("admin_loopback")
+ALLOW_UNAUTHENTICATED_ENV = settings.variable("allow_unauthenticated")
 #: Paths under this prefix are admin routes.
 ADMIN_PREFIX = "/-/"
 #: Where the matched key's id is left for later middlewares (the rate limiter).
@@ -67,7 +71,8 @@ class ApiKeys:
         False
     """
 
-    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = (), *,
+                 admin_loopback: bool = False, allow_unauthenticated: bool = False) -> None:
         cleaned = [k.strip() for k in keys if k.strip()]
         admin = [k.strip() for k in admin_keys if k.strip()]
         for index, key in enumerate([*cleaned, *admin], start=1):
@@ -77,6 +82,11 @@ class ApiKeys:
         digests = {hashlib.sha256(k.encode()).digest(): key_id(k) for k in [*cleaned, *admin]}
         self._digests: tuple[tuple[bytes, str], ...] = tuple(digests.items())
         self._admin_ids = frozenset(key_id(k) for k in admin)
+        self._invoke = bool(cleaned)
+        #: The operator's opt-ins, by name: admin routes for loopback callers with no admin
+        #: key, and an edge beyond loopback with no invoke key.
+        self.admin_loopback = admin_loopback
+        self.allow_unauthenticated = allow_unauthenticated
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ApiKeys:
@@ -97,16 +107,23 @@ class ApiKeys:
                 raise ConfigError(f"{KEYS_FILE_ENV}={path} holds no key; add one key per line")
             keys.extend(from_file)
         admin = config.admin_keys.get_secret_value() if config.admin_keys else ""
-        return cls(keys, admin.split(","))
+        return cls(keys, admin.split(","), admin_loopback=config.admin_loopback,
+                   allow_unauthenticated=config.allow_unauthenticated)
 
     @property
     def enabled(self) -> bool:
-        """Whether any key is configured, i.e. whether auth is on."""
+        """Whether any key is configured."""
         return bool(self._digests)
 
     @property
+    def invoke_enabled(self) -> bool:
+        """Whether invoke keys are configured, i.e. whether invoke routes ask for a key."""
+        return self._invoke
+
+    @property
     def admin_enabled(self) -> bool:
-        """Whether admin keys are configured (else admin routes answer loopback clients)."""
+        """Whether admin keys are configured (else admin routes are closed, or answer
+        loopback callers with ``EMBER_ADMIN_LOOPBACK=1``)."""
         return bool(self._admin_ids)
 
     def is_admin(self, kid: str) -> bool:
@@ -177,13 +194,14 @@ def bearer_token(scope: Scope) -> str | None:
 class AuthMiddleware:
     """Answer 401 unless ``Authorization: Bearer <key>`` names a key the route accepts.
 
-    Invoke routes take any configured key (pass-through when none is configured). Admin
-    routes (``/-/...``: status, warm leases, anything that changes what is served) take an
-    admin key when ``EMBER_ADMIN_KEYS`` is set, and an invoke key gets 403 there; with no
-    admin key configured they answer loopback clients only (403 for others), still asking
-    for an invoke key when invoke auth is on. Non-HTTP scopes (lifespan) and ``open_paths``
-    (exact matches, so ``/healthz/../metrics`` is not open) pass. On success the key's id is
-    left in ``scope["state"]["api_key_id"]``.
+    Invoke routes take any configured key (pass-through when no invoke key is configured).
+    Admin routes (``/-/...``: status, warm leases, anything that changes what is served)
+    take an admin key, and an invoke key gets 403 there. With no admin key configured they
+    answer 403, unless ``EMBER_ADMIN_LOOPBACK=1`` opens them to loopback clients (still
+    asking for an invoke key when invoke auth is on): a TLS proxy on the same host connects
+    from loopback, so that opt-in is for local development only. Non-HTTP scopes (lifespan)
+    and ``open_paths`` (exact matches, so ``/healthz/../metrics`` is not open) pass. On
+    success the key's id is left in ``scope["state"]["api_key_id"]``.
 
     Args:
         app: the wrapped ASGI app.
@@ -215,10 +233,12 @@ class AuthMiddleware:
     def _refusal(self, scope: Scope) -> EmberError | None:
         """Why this request may not pass, or None (its key id then left in the scope)."""
         admin = scope["path"].startswith(ADMIN_PREFIX)
-        if admin and not self.keys.admin_enabled and not _is_loopback(scope.get("client")):
-            return Forbidden("admin routes answer loopback clients only; set "
-                             f"{ADMIN_KEYS_ENV} to call them from elsewhere")
-        if not self.keys.enabled:
+        if admin and not self.keys.admin_enabled and not (
+                self.keys.admin_loopback and _is_loopback(scope.get("client"))):
+            return Forbidden(f"admin routes need an admin key: set {ADMIN_KEYS_ENV} on the "
+                             f"server and send one ({ADMIN_LOOPBACK_ENV}=1 opens them to "
+                             "loopback callers, for local development only)")
+        if not (self.keys.invoke_enabled or (admin and self.keys.admin_enabled)):
             return None
         token = bearer_token(scope)
         kid = self.keys.match(token) if token is not None else None
@@ -233,6 +253,24 @@ class AuthMiddleware:
                              f"{ADMIN_KEYS_ENV}")
         scope.setdefault("state", {})[KEY_ID_STATE] = kid
         return None
+
+
+def check_exposure(host: str, keys: ApiKeys) -> None:
+    """Refuse to listen beyond loopback with no invoke key unless the operator opted in.
+
+    A missing or misspelt key Secret would otherwise serve every route to anyone who can
+    reach the port.
+
+    Raises:
+        ConfigError: ``host`` is not a loopback address, no invoke key is configured and
+            ``EMBER_ALLOW_UNAUTHENTICATED`` is not set.
+    """
+    if keys.invoke_enabled or keys.allow_unauthenticated or _is_loopback((host, 0)):
+        return
+    raise ConfigError(
+        f"refusing to listen on {host} with no API key: anyone who reaches the port could "
+        f"call every route. Set {KEYS_ENV} or {KEYS_FILE_ENV}, listen on 127.0.0.1, or set "
+        f"{ALLOW_UNAUTHENTICATED_ENV}=1 if another layer guards the port")
 
 
 def _is_loopback(client: Any) -> bool:
@@ -250,5 +288,6 @@ __all__ = [
     "AuthMiddleware",
     "Unauthorized",
     "bearer_token",
+    "check_exposure",
     "key_id",
 ]

@@ -24,9 +24,11 @@ from typing import Any
 
 import uvicorn
 
+from ember import settings
 from ember.control.listeners import bind_replica_grpc_to_node_ip
 from ember.edge._metrics import EdgeBoard
 from ember.edge._state import EDGE_DEPLOYMENT
+from ember.edge.auth import check_exposure
 from ember.edge.ingress import IngressState, build_fastapi
 
 logger = logging.getLogger("ember.edge")
@@ -70,6 +72,15 @@ def _edge_id() -> str:
     return str(serve.get_replica_context().replica_id.unique_id)
 
 
+def server_config(app: Any) -> uvicorn.Config:
+    """The edge's uvicorn settings: at most ``EMBER_EDGE_MAX_CONCURRENCY`` connections and
+    requests at once (uvicorn answers 503 beyond), so a flood of idle or slow connections
+    cannot take the process's memory and file descriptors."""
+    return uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
+                          log_level=logging.WARNING, timeout_keep_alive=75,
+                          limit_concurrency=settings.load().edge_max_concurrency)
+
+
 class _EdgeServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -84,6 +95,7 @@ class EmberEdge:
     async def __init__(self, host: str, port: int, state_args: dict[str, Any]) -> None:  # type: ignore[misc]
         bind_replica_grpc_to_node_ip()
         state = IngressState(**state_args)
+        check_exposure(host, state.keys)
         edge_id = _edge_id()
         self._board = state.board = EdgeBoard(state.app_name, edge_id)
         # Readiness and drains follow the process that deployed the app (see drain.py).
@@ -93,10 +105,7 @@ class EmberEdge:
         # to a deployment's own replicas while they are still at zero and the pool is warm.
         await state.poll_once()
         sock = listening_socket(host, port)
-        config = uvicorn.Config(build_fastapi(state), lifespan="on", access_log=False,
-                                log_config=None, log_level=logging.WARNING,
-                                timeout_keep_alive=75)
-        self._server = _EdgeServer(config)
+        self._server = _EdgeServer(server_config(build_fastapi(state)))
         self._task = asyncio.get_running_loop().create_task(self._server.serve([sock]))
         self._host, self._port = host, port
         while not self._server.started and not self._task.done():
@@ -109,6 +118,8 @@ class EmberEdge:
             raise RuntimeError(f"the edge's HTTP server on {self._host}:{self._port} stopped")
 
     async def __del__(self) -> None:
+        if not hasattr(self, "_task"):  # refused at start: nothing listens
+            return
         # Stop accepting at once (other edges keep the port), let requests in flight finish.
         self._server.should_exit = True
         await asyncio.to_thread(self._board.withdraw)

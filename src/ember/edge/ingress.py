@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray.serve.handle import DeploymentHandle
+from starlette.routing import Match, Router
+from starlette.types import Scope
 
 from ember import settings
 from ember.app.config import DeploymentOptions, check_name
@@ -52,7 +54,7 @@ from ember.edge._strict_json import (
     HeaderLimitMiddleware,
     parse_json,
 )
-from ember.edge.auth import ApiKeys, AuthMiddleware
+from ember.edge.auth import ADMIN_PREFIX, ApiKeys, AuthMiddleware
 from ember.edge.drain import DrainGate, DrainMiddleware
 from ember.edge.protocols import Protocol
 from ember.edge.ratelimit import RateLimiter, RateLimitMiddleware
@@ -66,6 +68,10 @@ _STATUS_POLL_S = 1.0
 _FAST_POLL_S = 0.25
 _PUBLISH_EVERY_S = 1.0
 _DEFAULT_BODY_LIMIT = 1 << 20
+#: Body limit of admin routes, read-only methods and paths no route serves: all they take is
+#: a small JSON document, if anything.
+SMALL_BODY_LIMIT = 64 << 10
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class IngressState:
@@ -101,15 +107,28 @@ class IngressState:
                                      gpu_pool, gpu_pool_names)
         self.tracker.pool_expected = pool is not None
         self.tracker.gpu_pool_expected = gpu_pool is not None
-        self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
+        self._limits = {(r.http_method, r.path): options[r.deployment].max_request_bytes
+                        for r in routes}
         self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
         self._deployment_of = {r.path: r.deployment for r in routes}
+        #: Set by ``build_fastapi``: the routes a body limit is looked up in.
+        self.router: Router | None = None
+        self.body_timeout_s = settings.load().body_timeout_s
         self.versions = Versions(app_name, versions or {r.deployment: (r.deployment,)
                                                         for r in routes if not r.chain},
                                  labels or {})
 
-    def limit_for(self, path: str) -> int:
-        return self._limits.get(path, self._default_limit)
+    def limit_for(self, scope: Scope) -> int:
+        """Route first: a route's own body limit; admin, read-only and unknown paths get
+        ``SMALL_BODY_LIMIT``, other invoke routes (protocols) the largest deployment's."""
+        path = scope["path"]
+        if (scope["method"], path) in self._limits:
+            return self._limits[(scope["method"], path)]
+        if (path.startswith(ADMIN_PREFIX) or scope["method"] not in _BODY_METHODS
+                or self.router is None or not any(
+                    r.matches(scope)[0] == Match.FULL for r in self.router.routes)):
+            return SMALL_BODY_LIMIT
+        return self._default_limit
 
     def on_reject(self, path: str, reason: str) -> None:
         self.metrics.rejected.labels(self._deployment_of.get(path, "-"), reason).inc()
@@ -365,11 +384,13 @@ def build_fastapi(state: IngressState) -> FastAPI:
     for protocol in state.protocols:
         protocol.install(app, state)
     _add_platform_routes(app, state)
-    # Starlette runs the last middleware added first: drain, header limit, then auth (so no
+    state.router = app.router
+    # Starlette runs the last middleware added first: header limit, then auth (so no
     # unauthenticated body is ever read), per-key rate limit, encoding, body size, and the
     # cold-start header of protocol routes.
     app.add_middleware(ColdStartHeaderMiddleware)
-    app.add_middleware(GuardMiddleware, limit_for=state.limit_for, on_reject=state.on_reject)
+    app.add_middleware(GuardMiddleware, limit_for=state.limit_for, on_reject=state.on_reject,
+                       body_timeout_s=state.body_timeout_s)
     app.add_middleware(ContentEncodingMiddleware, on_reject=state.on_reject)
     app.add_middleware(RateLimitMiddleware, limiter=state.limiter, on_reject=state.on_reject)
     app.add_middleware(AuthMiddleware, keys=state.keys, on_reject=state.on_reject)

@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse
 
 from ember.app.decorator import RouteSpec
 from ember.control.rollout import Rollout
+from ember.control.rollout_driver import RolloutStore, watch
 from ember.control.shadow import Shadow, distance, parse_shadow
 from ember.control.traffic import Traffic, TrafficStore, parse_weights
 from ember.edge._metrics import Metrics
 from ember.edge._strict_json import read_json
-from ember.edge.rollouts import RolloutStore, watch
 from ember.errors import EmberError, NotFound
 
 logger = logging.getLogger("ember.ingress")

@@ -20,6 +20,7 @@ facts reach logs, callers and tests::
     │   ├── NotFound (404)
     │   ├── Conflict (409)             fits, but not the state it meets (a rollout already runs)
     │   ├── MethodNotAllowed (405)
+    │   ├── BodyTimeout (408)          the body did not arrive within the edge's deadline
     │   ├── PayloadTooLarge (413)      body over max_request_bytes, with or without Content-Length
     │   ├── UnsupportedMediaType (415) a compressed body
     │   ├── InvalidBody (422)          valid JSON of the wrong shape
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 from ember.errors._base import (
     BadRequest,
+    BodyTimeout,
     ConfigError,
     Conflict,
     DeploymentUnavailable,
@@ -117,6 +119,7 @@ from ember.errors._weights import (
 
 __all__ = [
     "BadRequest",
+    "BodyTimeout",
     "CacheFull",
     "ConfigError",
     "Conflict",

@@ -78,6 +78,11 @@ class Conflict(RequestError):
     status_code = 409
 
 
+class BodyTimeout(RequestError):
+    status_code = 408
+    template = "request body not received within {timeout_s:g}s; send it whole, faster"
+
+
 class PayloadTooLarge(RequestError):
     status_code = 413
     template = "request body exceeds {limit} bytes for {path}"

@@ -9,10 +9,12 @@ from typing import cast
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need, admit_count
-from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus
+from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus, _overlap
 from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode
 from ember.errors import BadRequest, QueueFull
 
@@ -202,6 +204,16 @@ def test_stop_strings_cut_the_text_and_never_leak_in_pieces() -> None:
     loose = StopText(("END",))
     loose.add("hello E")
     assert loose.release(final=False) == "hello " and loose.release(final=True) == "E"
+
+
+def _overlap_by_brute_force(text: str, stop: str) -> int:
+    return max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("ab", max_size=30), stop=st.text("ab", min_size=1, max_size=12))
+def test_the_held_back_tail_is_the_longest_suffix_starting_a_stop(text: str, stop: str) -> None:
+    assert _overlap(text, stop) == _overlap_by_brute_force(text, stop)
 
 
 def test_a_stop_string_finishes_the_sequence_with_reason_stop(model: TinyLM) -> None:

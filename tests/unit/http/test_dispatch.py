@@ -168,8 +168,21 @@ def test_second_lost_replica_is_503_without_a_third_try() -> None:
     assert info.value.status_code == 503
     assert info.value.headers() == {"Retry-After": "1"}
     assert info.value.fields["lost_replica"] is True
+    # Ray's own message (nodes, processes, actor ids) stays in the log.
     assert str(info.value) == ("deployment 'Echo' is unavailable: "
-                               "The actor died unexpectedly before finishing this task.")
+                               "its replica was lost while serving this request")
+
+
+def test_a_failed_start_answers_503_without_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    dispatcher = _dispatcher({"Echo": FakeHandle(hang)}, warm=False)
+    load = dispatcher.tracker.loads["Echo"]
+    load.status = "DEPLOY_FAILED"
+    load.message = "FileNotFoundError: s3://bucket/private/weights.safetensors: no such key"
+    with pytest.raises(DeploymentUnavailable) as info:
+        _run(dispatcher.call(_route(Echo), BODY, "req-9"))
+    assert "failed to start" in str(info.value)
+    assert "s3://" not in str(info.value) and "FileNotFoundError" not in str(info.value)
+    assert "s3://bucket/private" in caplog.text  # the operator's copy, in the edge log
 
 
 def test_no_retry_when_retry_on_replica_loss_is_off() -> None:

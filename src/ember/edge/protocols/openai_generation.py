@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.edge._asgi import error_body, request_id_of
 from ember.edge.protocols import Gateway, Protocol
-from ember.errors import ConfigError, EmberError, InvalidBody
+from ember.errors import BadRequest, ConfigError, EmberError, InvalidBody
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -54,6 +54,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+#: Longest stop string a request may send: every generated token is checked against each.
+MAX_STOP_CHARS = 256
+
+
+def check_stops(stops: list[str]) -> list[str]:
+    """``stops`` unchanged, or 400 naming the limit for one over ``MAX_STOP_CHARS``."""
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise BadRequest(f"stop: a stop string is {len(stop)} characters, over the limit "
+                             f"of {MAX_STOP_CHARS}", param="stop")
+    return stops
+
+
 class _Sampling(BaseModel):
     """OpenAI's sampling fields, with the ranges OpenAI documents."""
 
@@ -63,7 +76,9 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=4)
+    # At most 4 strings, as OpenAI; the count applies to the list only (on the union it also
+    # refused a single stop string over 4 characters).
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -99,7 +114,8 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=4)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=4)
     ignore_eos: bool = False
 
 
@@ -217,7 +233,7 @@ class OpenAIGeneration(Protocol):
     def _generate_request(self, body: CompletionRequest | ChatCompletionRequest
                           ) -> GenerateRequest:
         fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
-                                  "seed": body.seed, "stop": body.stops(),
+                                  "seed": body.seed, "stop": check_stops(body.stops()),
                                   "ignore_eos": body.ignore_eos}
         if isinstance(body, ChatCompletionRequest):
             fields["messages"] = body.messages

@@ -1,0 +1,120 @@
+"""Every body is capped by its route and read against a deadline; the edge caps connections.
+
+Real HTTP: the edge's app on uvicorn with the edge's own settings (``edge.server_config``)
+and listening socket, on 127.0.0.1; only Ray's handles are faked, as in the other edge
+tests. Raw sockets send what an HTTP client library would refuse to (a body that trickles).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from serve_fakes import FakeHandle, as_handle, replica_of
+
+import ember
+from ember.edge.auth import ApiKeys
+from ember.edge.edge import listening_socket, server_config
+from ember.edge.ingress import SMALL_BODY_LIMIT, IngressState, build_fastapi
+
+from support import free_port
+
+ADMIN = "admin-0123456789abcdef"
+BIG = 1 << 20  # the Echo route's limit: larger than any admin or unknown path's
+
+
+@ember.deployment(name="Echo", max_request_bytes=BIG)
+class Echo:
+    def __call__(self, body: dict[str, str]) -> dict[str, int]:
+        return {"size": len(body.get("x", ""))}
+
+
+APP = ember.App([Echo], name="guard", warm_pool=0)
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EMBER_BODY_TIMEOUT_S", "1")
+        env.setenv("EMBER_EDGE_MAX_CONCURRENCY", "4")
+        state = IngressState(APP.name, list(APP.routes()), {s.name: s.options for s in APP.specs},
+                             {"Echo": as_handle(FakeHandle(replica_of(Echo)))}, APP.timeouts(),
+                             keys=ApiKeys([], [ADMIN]))
+        config = server_config(build_fastapi(state))
+    state.tracker.loads["Echo"].running = 1
+    config.lifespan = "off"  # no replica poller: the fake handle is always running
+    port = free_port()
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run,
+                              kwargs={"sockets": [listening_socket("127.0.0.1", port)]},
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}"}
+
+
+def test_a_route_takes_bodies_up_to_its_own_limit(url: str) -> None:
+    reply = httpx.post(f"{url}/echo", json={"x": "a" * (BIG // 2)}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"size": BIG // 2}
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("DELETE", "/-/warm/Echo"),   # DELETE bodies were read whole, uncapped
+    ("PUT", "/-/rollout/Echo"),   # admin paths took the largest deployment's limit
+    ("POST", "/nowhere"),         # so did paths no route serves
+    ("GET", "/echo"),             # and read-only methods
+])
+def test_admin_unknown_and_bodiless_requests_get_the_small_cap(url: str, method: str,
+                                                               path: str) -> None:
+    body = b"{" + b" " * (SMALL_BODY_LIMIT * 2) + b"}"
+    reply = httpx.request(method, f"{url}{path}", content=body, headers=_admin(), timeout=30)
+    assert reply.status_code == 413, reply.text
+    assert f"exceeds {SMALL_BODY_LIMIT} bytes" in reply.json()["error"]["message"]
+
+
+def _raw(url: str, head: bytes, timeout_s: float) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    sock.sendall(head)
+    return sock
+
+
+def test_a_body_that_trickles_gets_408_at_the_deadline(url: str) -> None:
+    head = (b"POST /echo HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"x\": \"")
+    started = time.monotonic()
+    with _raw(url, head, timeout_s=20) as sock:
+        answer = sock.recv(4096)  # nothing more is sent: the edge must not wait for ever
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"BodyTimeout" in answer
+    assert time.monotonic() - started < 15  # the 1 s deadline, with a wide margin
+
+
+def test_the_edge_answers_503_beyond_its_concurrency_limit(url: str) -> None:
+    idle = [_raw(url, b"", timeout_s=10) for _ in range(4)]
+    try:
+        time.sleep(0.5)  # let uvicorn accept them
+        reply = httpx.get(f"{url}/healthz", timeout=10)
+        assert reply.status_code == 503, reply.text
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/healthz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the edge did not recover after the idle sockets"
+        time.sleep(0.1)
