@@ -37,12 +37,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
         example = (app.curl or "curl -s {url}/-/status").format(url=url)
         print(f"Try: {example}", flush=True)
+        for line in ray_access_lines(_this_cluster()):
+            print(line, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
         stop.wait()
         print("Shutting down...", flush=True)
     finally:
         runtime.shutdown()
     return 0
+
+
+def _this_cluster() -> dict[str, Any] | None:
+    """How another shell reaches the cluster this process serves on."""
+    import os
+
+    import ray
+
+    from ember.control.listeners import cluster_access
+
+    return dict(cluster_access(ray.get_runtime_context().gcs_address,
+                               token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
+                               dashboard_port=settings.load().dashboard_port))
 
 
 def _admin_headers() -> dict[str, str]:
@@ -103,7 +118,18 @@ def render_status(status: dict[str, Any]) -> str:
     notes = [f"{d['deployment']}: {d[key]}" for d in status["deployments"]
              for key in ("waiting_for_resources", "pool_failure") if d.get(key)]
     notes += [_rollout_note(d) for d in status["deployments"] if d.get("rollout")]
-    return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes])
+    return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes,
+                      *ray_access_lines(status.get("ray"))])
+
+
+def ray_access_lines(access: dict[str, Any] | None) -> list[str]:
+    """Where the app's Ray cluster is, and the lines that reach it from another shell."""
+    if not access:
+        return []
+    lines = [f"Ray cluster (GCS): {access['gcs_address']}", f"  {access['ray_status']}"]
+    if access.get("serve_status"):
+        lines += [f"  {access['serve_status']}", f"  dashboard: {access['dashboard']}"]
+    return lines
 
 
 def _rollout_note(row: dict[str, Any]) -> str:

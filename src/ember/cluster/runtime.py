@@ -17,11 +17,16 @@ from typing import Any
 import ray
 from ray import serve
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.app import App
 from ember.app.config import serve_logging, to_ray_options
 from ember.control import snapshot_placement, warm_runtime
-from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
+from ember.control.listeners import (
+    LOCAL_CLUSTER_ENV,
+    LOOPBACK,
+    use_loopback_node_ip,
+    verify_loopback,
+)
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
 from ember.edge.auth import ApiKeys
@@ -186,6 +191,9 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    # Before anything starts: a Ray that moved what keeps a door shut or a policy applied
+    # is refused here, with the reason (see ember/ray_internals.py).
+    ray_internals.require(local=address is None)
     user_paths = _user_module_paths()
     if address is None and user_paths:
         # Local workers inherit this environment, so user modules import there by name.
@@ -193,25 +201,45 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
             [*user_paths, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
     if address is None:
-        # Local workers and the Serve controller inherit this environment.
-        local_env = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS, **LOCAL_CLUSTER_ENV}
-        for name, value in local_env.items():
-            os.environ.setdefault(name, value)
+        _set_local_cluster_env()
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
+    dashboard_port = settings.load().dashboard_port if address is None else 0
     ray.init(
         address=address,
-        # A local cluster is reachable from this machine only (see control/listeners.py).
-        _node_ip_address=None if address else LOOPBACK,
         num_cpus=None if address else (int(num_cpus) if num_cpus else None),
-        include_dashboard=False,
+        include_dashboard=dashboard_port > 0,
+        # Set only with EMBER_DASHBOARD_PORT, and then on loopback like the rest.
+        dashboard_host=LOOPBACK,
+        dashboard_port=dashboard_port or None,
         runtime_env=runtime_env,
         logging_level=logging.WARNING,
         configure_logging=True,
-        _system_config=warm_runtime.system_config(preload or []) if warm else None,
+        # A local cluster is reachable from this machine only (see control/listeners.py).
+        **ray_internals.init_kwargs(
+            node_ip=None if address else LOOPBACK,
+            system_config=warm_runtime.system_config(preload or []) if warm else None),
     )
+    if address is None:
+        try:
+            verify_loopback(ray.get_runtime_context().gcs_address,
+                            str(ray.util.get_node_ip_address()))  # type: ignore[no-untyped-call]
+        except ray_internals.RayInternalsChanged:
+            ray.shutdown()
+            raise
     return address is None
+
+
+def _set_local_cluster_env() -> None:
+    """The environment local workers and Serve's controller inherit; set values win."""
+    serve_switches = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS}
+    if not ray_internals.available("serve_env_switches"):
+        # Only the switches Serve still reads: one it ignores is a no-op, not a risk.
+        unread = ray_internals.unread_serve_env_switches()
+        serve_switches = {k: v for k, v in serve_switches.items() if k not in unread}
+    for name, value in {**serve_switches, **LOCAL_CLUSTER_ENV}.items():
+        os.environ.setdefault(name, value)
 
 
 def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:

@@ -16,6 +16,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from ember import ray_internals
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
 _COLD_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60)
@@ -109,16 +111,11 @@ class EdgeBoard:
         return f"metrics:{self.app}:{edge}"
 
     def publish(self, text: bytes, status: dict[str, Any]) -> None:
-        from ray.experimental import internal_kv
-
         value = json.dumps({"at": time.time(), "text": text.decode(), "status": status}).encode()
-        internal_kv._internal_kv_put(self._key(self.edge), value, overwrite=True,
-                                     namespace=self.NAMESPACE)
+        ray_internals.kv_put(self._key(self.edge), value, namespace=self.NAMESPACE)
 
     def withdraw(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self._key(self.edge), namespace=self.NAMESPACE)
+        ray_internals.kv_delete(self._key(self.edge), namespace=self.NAMESPACE)
 
     def render_all(self, own: bytes) -> bytes:
         """This edge's ``own`` exposition merged with every other edge's fresh one."""
@@ -152,13 +149,11 @@ class EdgeBoard:
 
     def published(self) -> dict[str, dict[str, Any]]:
         """Every edge's fresh publication (``at``, ``text``, ``status``), by edge id."""
-        from ray.experimental import internal_kv
-
         prefix = self._key("")
         found = {}
-        for key in internal_kv._internal_kv_list(prefix, namespace=self.NAMESPACE):
+        for key in ray_internals.kv_list(prefix, namespace=self.NAMESPACE):
             edge = key.decode()[len(prefix):]
-            raw = internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
+            raw = ray_internals.kv_get(key, namespace=self.NAMESPACE)
             try:
                 value = json.loads(raw or b"")
                 fresh = time.time() - float(value["at"]) < self.STALE_S
