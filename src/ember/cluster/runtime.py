@@ -284,6 +284,8 @@ def shutdown() -> None:
     if _refiller is not None:
         _refiller.stop()
         _refiller = None
+    if not ray.is_initialized():
+        return  # nothing started (serve.shutdown would start a local Ray just to stop it)
     try:
         serve.shutdown()  # type: ignore[no-untyped-call]
     finally:

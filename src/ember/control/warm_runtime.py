@@ -86,10 +86,12 @@ def _raylet_children() -> list[Any]:
     """Processes of the raylet this process started (its local cluster's only one)."""
     import psutil
 
-    port = f"--node_manager_port={ray_internals.this_node()['NodeManagerPort']}"
+    import ray
+
+    node = f"--node_id={ray.get_runtime_context().get_node_id()}"
     for process in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if process.name() == "raylet" and port in process.cmdline():
+            if process.name() == "raylet" and node in process.cmdline():
                 return list(process.children())
     return []
 
