@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,19 +21,38 @@ ROOT = Path(__file__).resolve().parents[2]
 EMBER = Path(sys.executable).with_name("ember")
 
 
-@pytest.mark.slow
-def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def ember_run(tmp_path: Path, **env_extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str,
+                                                                   Path]]:
+    """``ember run examples/mlp_app.py:app`` until the block ends, then SIGTERM; yields the
+    process, its URL and its log once it says it is up. Asserts a clean stop."""
     port = free_port()
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_SCALEDOWN_AFTER_S": "2",
-           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", **env_extra}
     env.pop("RAY_ADDRESS", None)
-    log = (tmp_path / "run.log").open("w+")
-    proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "run.log"
+    with log.open("w+") as out:
+        proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        wait_for(lambda: "Press Ctrl-C" in Path(log.name).read_text(), 180, what="startup")
-        output = Path(log.name).read_text()
+        wait_for(lambda: "Press Ctrl-C" in log.read_text(), 180, what="startup")
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0, log.read_text()[-3000:]
+    assert "Shutting down" in log.read_text()
+
+
+@pytest.mark.slow
+def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) -> None:
+    with ember_run(tmp_path) as (_, url, log):
+        output = log.read_text()
         assert f"{url}" in output and "curl" in output
         reply = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
         assert reply.status_code == 200, reply.text
@@ -53,15 +74,51 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(tmp_path: Path) ->
         again = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
         assert "x-ember-cold-start" in again.headers  # it met zero replicas
         assert again.json() == reply.json()  # the same weights after a cold start
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert code == 0, Path(log.name).read_text()[-3000:]
-    assert "Shutting down" in Path(log.name).read_text()
+
+
+@pytest.mark.slow
+def test_a_second_shell_reaches_the_embedded_cluster_with_the_line_ember_status_prints(
+        tmp_path: Path) -> None:
+    # No warm runtime or pool: this is about finding the cluster, not cold starts.
+    dashboard = free_port()
+    extra = {"EMBER_DASHBOARD_PORT": str(dashboard), "EMBER_WARM_RUNTIME": "0"}
+    with ember_run(tmp_path, **extra) as (proc, url, log):
+        status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
+                                text=True, timeout=60, check=True).stdout
+        gcs = re.search(r"Ray cluster \(GCS\): (127\.0\.0\.1:\d+)", status)
+        assert gcs, status
+        assert f"RAY_ADDRESS={gcs[1]} " in log.read_text()  # `ember run` printed it too
+        lines = [line.strip() for line in status.splitlines()]
+        ray_line = next(line for line in lines if line.endswith(" ray status"))
+        serve_line = next(line for line in lines if line.endswith(" serve status"))
+        # A second shell: a clean environment, the venv's CLIs on PATH, another directory.
+        shell = {"PATH": f"{EMBER.parent}{os.pathsep}/usr/bin:/bin", "HOME": os.environ["HOME"]}
+        ray_status = _shell(ray_line, shell, tmp_path)
+        assert "Active:" in ray_status and "CPU" in ray_status, ray_status
+        # The node `ember run` started, by its id, is the one `ray status` sees.
+        node = _session_raylet_node_id(proc.pid)
+        assert node in ray_status, ray_status
+        serve_status = _shell(serve_line, shell, tmp_path)
+        assert re.search(r"^  mlp:$", serve_status, re.MULTILINE), serve_status
+        assert "SeedMLP" in serve_status and "HEALTHY" in serve_status, serve_status
+        assert f"http://127.0.0.1:{dashboard}" in status
+
+
+def _shell(line: str, env: dict[str, str], cwd: Path) -> str:
+    out = subprocess.run(["bash", "-c", line], env=env, cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _session_raylet_node_id(session_id: int) -> str:
+    """The node id of the raylet the command started."""
+    for process in _session_members(session_id):
+        with contextlib.suppress(psutil.Error):
+            if process.name() == "raylet":
+                flag = next(a for a in process.cmdline() if a.startswith("--node_id="))
+                return str(flag.split("=", 1)[1])
+    raise AssertionError("no raylet in the command's session")
 
 
 def test_bad_target_is_a_clear_error(tmp_path: Path) -> None:

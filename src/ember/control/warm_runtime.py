@@ -85,7 +85,6 @@ def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
 def _raylet_children() -> list[Any]:
     """Processes of the raylet this process started (its local cluster's only one)."""
     import psutil
-
     import ray
 
     node = f"--node_id={ray.get_runtime_context().get_node_id()}"
