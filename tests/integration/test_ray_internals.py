@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -51,7 +52,8 @@ def test_serve_reads_each_switch_in_the_replica_and_the_bind_is_narrowed(
     # serve_env_switches: what Serve parsed in a replica is what Ember set; replica_grpc_bind:
     # the replica bound its gRPC server through the wrapper, on loopback only.
     name = f"probe-{uuid.uuid4().hex[:6]}"
-    handle = serve.run(internals.Probe.bind(), name=name, route_prefix=None)
+    probe: Any = internals.Probe
+    handle = serve.run(probe.bind(), name=name, route_prefix=None)
     try:
         # grpc_by_value: the edges' handle option makes Serve answer over gRPC.
         response = handle.options(**ray_internals.handle_by_value_options()).remote()

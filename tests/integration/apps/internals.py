@@ -30,5 +30,6 @@ class Probe:
             "parsed": {name: getattr(constants, name.removeprefix("RAY_SERVE_"), None)
                        if not hasattr(constants, name) else getattr(constants, name)
                        for name in switches},
-            "bind_wrapped": getattr(replica.add_port_to_grpc_server, "__ember_wrapped__", False),
+            "bind_wrapped": getattr(getattr(replica, "add_port_to_grpc_server"),  # noqa: B009
+                                    "__ember_wrapped__", False),
         }
