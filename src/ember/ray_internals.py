@@ -54,6 +54,8 @@ router_view            a handle's ``_router._asyncio_router           degrade: t
 fresh_push_at_zero     ``RouterMetricsManager.should_send_scaled_     degrade: cold starts
                        to_zero_optimized_push`` and ``._add_          wait up to one
                        autoscaling_metrics_point``                    metrics interval
+dashboard_address      the key under which Ray stores its dashboard's degrade: status
+                       address (``ray_constants.DASHBOARD_ADDRESS``)  omits the dashboard
 =====================  =============================================  ====================
 
 Public APIs replace what they can: the raylet's address (``ray.nodes()``), the job id
@@ -72,7 +74,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ember.errors import ConfigError
+from ember.errors import RayInternalsChanged as RayInternalsChanged
 
 logger = logging.getLogger("ember.ray_internals")
 
@@ -86,16 +88,6 @@ SERVE_ENV_SWITCHES = (
     "RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_FREEZE_GC_ON_STARTUP",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S",
 )
-
-
-class RayInternalsChanged(ConfigError):
-    """The installed Ray lacks a private part Ember needs to keep its doors and policies."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__(
-            "the installed Ray differs from the versions Ember was tested with (2.60); "
-            "refusing to start: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -267,6 +259,11 @@ def _check_fresh_push_at_zero() -> str | None:
     return None
 
 
+def _check_dashboard_address() -> str | None:
+    return _missing("ray._private.ray_constants", "DASHBOARD_ADDRESS") or _missing(
+        "ray._private.ray_constants", "KV_NAMESPACE_DASHBOARD")
+
+
 INTERNALS = (
     Internal("loopback_node_ip", "refuse", _check_loopback_node_ip),
     Internal("init_node_ip", "refuse", _check_init_node_ip),
@@ -279,6 +276,7 @@ INTERNALS = (
     Internal("grpc_by_value", "degrade", _check_grpc_by_value),
     Internal("router_view", "degrade", _check_router_view),
     Internal("fresh_push_at_zero", "degrade", _check_fresh_push_at_zero),
+    Internal("dashboard_address", "degrade", _check_dashboard_address),
 )
 _BY_NAME = {internal.name: internal for internal in INTERNALS}
 
@@ -471,6 +469,17 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
         stubs.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
     finally:
         channel.close()
+
+
+def dashboard_address() -> str | None:
+    """``host:port`` of the cluster's dashboard, where Ray records it; None without one."""
+    if not available("dashboard_address"):
+        return None
+    from ray._private import ray_constants
+
+    found = kv_get(ray_constants.DASHBOARD_ADDRESS,
+                   namespace=ray_constants.KV_NAMESPACE_DASHBOARD.decode())
+    return found.decode() if found else None
 
 
 def this_node() -> dict[str, Any]:

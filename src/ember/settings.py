@@ -39,9 +39,6 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="port `ember run` listens on")
     url: str | None = Field(None, description="where `ember status|warm|plan` look")
     warm_pool: int = Field(1, ge=0, description="warm pool replicas of an App (0 = off)")
-    dashboard_port: int = Field(
-        0, ge=0, le=65535,
-        description="Ray dashboard on 127.0.0.1:PORT for a local cluster (0 = off)")
     warm_runtime: int = Field(
         2, ge=0, description="idle pre-started workers, torch imported, on a local cluster"
     )

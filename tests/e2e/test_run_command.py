@@ -22,8 +22,8 @@ EMBER = Path(sys.executable).with_name("ember")
 
 
 @contextlib.contextmanager
-def ember_run(tmp_path: Path, **env_extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str,
-                                                                   Path]]:
+def ember_run(tmp_path: Path, *args: str, **env_extra: str) -> Iterator[
+        tuple[subprocess.Popen[bytes], str, Path]]:
     """``ember run examples/mlp_app.py:app`` until the block ends, then SIGTERM; yields the
     process, its URL and its log once it says it is up. Asserts a clean stop."""
     port = free_port()
@@ -32,8 +32,8 @@ def ember_run(tmp_path: Path, **env_extra: str) -> Iterator[tuple[subprocess.Pop
     env.pop("RAY_ADDRESS", None)
     log = tmp_path / "run.log"
     with log.open("w+") as out:
-        proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app"], cwd=ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([str(EMBER), "run", "examples/mlp_app.py:app", *args],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         wait_for(lambda: "Press Ctrl-C" in log.read_text(), 180, what="startup")
@@ -81,8 +81,8 @@ def test_a_second_shell_reaches_the_embedded_cluster_with_the_line_ember_status_
         tmp_path: Path) -> None:
     # No warm runtime or pool: this is about finding the cluster, not cold starts.
     dashboard = free_port()
-    extra = {"EMBER_DASHBOARD_PORT": str(dashboard), "EMBER_WARM_RUNTIME": "0"}
-    with ember_run(tmp_path, **extra) as (proc, url, log):
+    with ember_run(tmp_path, "--dashboard-port", str(dashboard),
+                   EMBER_WARM_RUNTIME="0") as (proc, url, log):
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
                                 text=True, timeout=60, check=True).stdout
         gcs = re.search(r"Ray cluster \(GCS\): (127\.0\.0\.1:\d+)", status)

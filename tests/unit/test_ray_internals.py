@@ -146,7 +146,7 @@ def test_a_cluster_beyond_loopback_is_refused() -> None:
 
 
 def test_the_line_that_reaches_a_loopback_cluster() -> None:
-    access = cluster_access("127.0.0.1:6379", token_auth=True, dashboard_port=8265)
+    access = cluster_access("127.0.0.1:6379", token_auth=True, dashboard="127.0.0.1:8265")
     env = "RAY_ADDRESS=127.0.0.1:6379 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token"
     assert access["ray_status"] == f"{env} ray status"
     assert access["serve_status"] == (

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.targets import load_app
 from ember.cluster import capacity
 from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
@@ -30,7 +30,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     app = load_app(args.target)
     stop = threading.Event()
     try:
-        url = runtime.serve_app(app, host=args.host, port=args.port)
+        url = runtime.serve_app(app, host=args.host, port=args.port,
+                                dashboard_port=args.dashboard_port)
         # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -57,7 +58,7 @@ def _this_cluster() -> dict[str, Any] | None:
 
     return dict(cluster_access(ray.get_runtime_context().gcs_address,
                                token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
-                               dashboard_port=settings.load().dashboard_port))
+                               dashboard=ray_internals.dashboard_address()))
 
 
 def _admin_headers() -> dict[str, str]:
@@ -298,6 +299,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
+    run.add_argument("--dashboard-port", type=int, default=0,
+                     help="start Ray's dashboard on 127.0.0.1:PORT (local cluster; 0 = off)")
     run.set_defaults(func=cmd_run)
     url = settings.load().url or f"http://{DEFAULT_HOST}:{default_port()}"
     status = sub.add_parser("status", help="replicas, load and cold starts per deployment")

@@ -176,7 +176,8 @@ def app_modules(app: App) -> list[str]:
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None,
-              preload: list[str] | None = None, warm: bool | None = None) -> bool:
+              preload: list[str] | None = None, warm: bool | None = None,
+              dashboard_port: int = 0) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local cluster; idempotent.
 
     Args:
@@ -184,6 +185,8 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
             (the warm runtime); torch and Ember's replica code are always among them.
         warm: Whether a local cluster's workers preload at all; None reads
             ``EMBER_WARM_RUNTIME`` (off at 0).
+        dashboard_port: Start Ray's dashboard on 127.0.0.1 at this port (local cluster only;
+            0: no dashboard).
 
     Returns:
         True if this call started a local cluster.
@@ -205,12 +208,12 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
-    dashboard_port = settings.load().dashboard_port if address is None else 0
+    dashboard_port = dashboard_port if address is None else 0
     ray.init(
         address=address,
         num_cpus=None if address else (int(num_cpus) if num_cpus else None),
         include_dashboard=dashboard_port > 0,
-        # Set only with EMBER_DASHBOARD_PORT, and then on loopback like the rest.
+        # Only when asked for, and then on loopback like the rest.
         dashboard_host=LOOPBACK,
         dashboard_port=dashboard_port or None,
         runtime_env=runtime_env,
@@ -242,7 +245,8 @@ def _set_local_cluster_env() -> None:
         os.environ.setdefault(name, value)
 
 
-def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:
+def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
+              dashboard_port: int = 0) -> str:
     """Deploy ``app`` and return its base URL; returns once the app is running.
 
     Example:
@@ -250,7 +254,7 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
         >>> httpx.post(f"{url}/mlp", json=...)  # doctest: +SKIP
     """
     global _refiller
-    started_here = start_ray(preload=app_modules(app))
+    started_here = start_ray(preload=app_modules(app), dashboard_port=dashboard_port)
     port = default_port() if port is None else port
     # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py).
     serve.start(proxy_location="Disabled")

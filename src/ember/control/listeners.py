@@ -99,7 +99,7 @@ def bind_replica_grpc_to_node_ip() -> None:
 
 
 def cluster_access(gcs_address: str, *, token_auth: bool,
-                   dashboard_port: int = 0) -> dict[str, str | None]:
+                   dashboard: str | None = None) -> dict[str, str | None]:
     """How a second shell on this machine reaches the cluster at ``gcs_address``.
 
     Ray's CLI and ``ray.init`` turn a loopback address into the machine's own address unless
@@ -120,7 +120,7 @@ def cluster_access(gcs_address: str, *, token_auth: bool,
         pass
     if token_auth:
         env.append("RAY_AUTH_MODE=token")
-    dashboard = f"http://{LOOPBACK}:{dashboard_port}" if dashboard_port else None
+    dashboard = f"http://{dashboard}" if dashboard else None
     prefix = " ".join(env)
     return {
         "gcs_address": gcs_address,

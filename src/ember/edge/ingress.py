@@ -30,7 +30,7 @@ from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray.serve.handle import DeploymentHandle
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.config import DeploymentOptions, check_name
 from ember.app.decorator import RouteSpec
 from ember.control import floors, listeners, placement, pool
@@ -495,4 +495,4 @@ def _ray_access() -> dict[str, str | None] | None:
     # Workers inherit the driver's RAY_AUTH_MODE, which Ray sets when it turns tokens on.
     return listeners.cluster_access(ray.get_runtime_context().gcs_address,
                                     token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
-                                    dashboard_port=settings.load().dashboard_port)
+                                    dashboard=ray_internals.dashboard_address())
