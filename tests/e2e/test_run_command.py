@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from harness import EMBER, ROOT, EmberRun
-from support import every_edge_sees, wait_for, wait_for_scale_down
+from support import every_edge_sees, free_port, wait_for, wait_for_scale_down
 
 
 @pytest.mark.slow
@@ -53,6 +54,54 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
         code = run.stop()
     assert code == 0, run.tail()
     assert "Shutting down" in run.text()
+
+
+@pytest.mark.slow
+def test_a_second_shell_reaches_the_embedded_cluster_with_the_line_ember_status_prints(
+        tmp_path: Path) -> None:
+    # No warm runtime or pool: this is about finding the cluster, not cold starts.
+    dashboard = free_port()
+    with EmberRun("examples/mlp_app.py:app", tmp_path,
+                  extra_args=["--dashboard-port", str(dashboard)],
+                  env={"EMBER_WARM_RUNTIME": "0", "EMBER_ADMIN_LOOPBACK": "1"}) as run:
+        run.wait_ready(180)
+        url, proc = run.url, run.proc
+        status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
+                                text=True, timeout=60, check=True, env=run.env).stdout
+        gcs = re.search(r"Ray cluster \(GCS\): (127\.0\.0\.1:\d+)", status)
+        assert gcs, status
+        assert f"RAY_ADDRESS={gcs[1]} " in run.text()  # `ember run` printed it too
+        lines = [line.strip() for line in status.splitlines()]
+        ray_line = next(line for line in lines if line.endswith(" ray status"))
+        serve_line = next(line for line in lines if line.endswith(" serve status"))
+        # A second shell: a clean environment, the venv's CLIs on PATH, another directory.
+        shell = {"PATH": f"{EMBER.parent}{os.pathsep}/usr/bin:/bin", "HOME": os.environ["HOME"]}
+        ray_status = _shell(ray_line, shell, tmp_path)
+        assert "Active:" in ray_status and "CPU" in ray_status, ray_status
+        # The node `ember run` started, by its id, is the one `ray status` sees.
+        node = _session_raylet_node_id(proc.pid)
+        assert node in ray_status, ray_status
+        serve_status = _shell(serve_line, shell, tmp_path)
+        assert re.search(r"^  mlp:$", serve_status, re.MULTILINE), serve_status
+        assert "SeedMLP" in serve_status and "HEALTHY" in serve_status, serve_status
+        assert f"http://127.0.0.1:{dashboard}" in status
+
+
+def _shell(line: str, env: dict[str, str], cwd: Path) -> str:
+    out = subprocess.run(["bash", "-c", line], env=env, cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _session_raylet_node_id(session_id: int) -> str:
+    """The node id of the raylet the command started."""
+    for process in _session_members(session_id):
+        with contextlib.suppress(psutil.Error):
+            if process.name() == "raylet":
+                flag = next(a for a in process.cmdline() if a.startswith("--node_id="))
+                return str(flag.split("=", 1)[1])
+    raise AssertionError("no raylet in the command's session")
 
 
 def test_bad_target_is_a_clear_error(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ import argparse
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.app import App
 from ember.app.targets import load_app
 from ember.cli._signals import (
@@ -56,13 +57,16 @@ def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
     drained = True
     key_note = _local_admin_key()
     try:
-        url = runtime.serve_app(app, host=args.host, port=args.port, stop=signals.stop)
+        url = runtime.serve_app(app, host=args.host, port=args.port, stop=signals.stop,
+                                dashboard_port=args.dashboard_port)
         if not signals.stop.is_set():
             print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
             example = (app.curl or "ember status --url {url}").format(url=url)
             print(f"Try: {example}", flush=True)
             if key_note:
                 print(key_note, flush=True)
+            for line in ray_access_lines(_this_cluster()):
+                print(line, flush=True)
             print("Press Ctrl-C to stop.", flush=True)
         signals.stop.wait()
         print("Shutting down...", flush=True)
@@ -102,3 +106,26 @@ def _local_admin_key() -> str | None:
                 out.write(secrets.token_urlsafe(32) + "\n")
     os.environ[settings.variable("admin_keys")] = path.read_text().strip()
     return f"Admin key (for /-/ routes; the ember CLI reads it): {path}"
+
+
+def ray_access_lines(access: dict[str, Any] | None) -> list[str]:
+    """Where the app's Ray cluster is, and the lines that reach it from another shell."""
+    if not access:
+        return []
+    lines = [f"Ray cluster (GCS): {access['gcs_address']}", f"  {access['ray_status']}"]
+    if access.get("serve_status"):
+        lines += [f"  {access['serve_status']}", f"  dashboard: {access['dashboard']}"]
+    return lines
+
+
+def _this_cluster() -> dict[str, Any] | None:
+    """How another shell reaches the cluster this process serves on."""
+    import os
+
+    import ray
+
+    from ember.control.listeners import cluster_access
+
+    return dict(cluster_access(ray.get_runtime_context().gcs_address,
+                               token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
+                               dashboard=ray_internals.dashboard_address()))

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from ember import settings
-from ember.cli._run import admin_key_path, cmd_run
+from ember.cli._run import admin_key_path, cmd_run, ray_access_lines
 from ember.cluster import capacity
 from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
@@ -86,7 +86,8 @@ def render_status(status: dict[str, Any]) -> str:
     notes = [f"{d['deployment']}: {d[key]}" for d in status["deployments"]
              for key in ("waiting_for_resources", "pool_failure") if d.get(key)]
     notes += [_rollout_note(d) for d in status["deployments"] if d.get("rollout")]
-    return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes])
+    return "\n".join([f"app {status['app']} ({ready})", _table(rows), *notes,
+                      *ray_access_lines(status.get("ray"))])
 
 
 def _rollout_note(row: dict[str, Any]) -> str:
@@ -256,6 +257,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
+    run.add_argument("--dashboard-port", type=int, default=0,
+                     help="start Ray's dashboard on 127.0.0.1:PORT (local cluster; 0 = off)")
     run.set_defaults(func=cmd_run)
     url = settings.load().url or f"http://{DEFAULT_HOST}:{default_port()}"
     status = sub.add_parser("status", help="replicas, load and cold starts per deployment")

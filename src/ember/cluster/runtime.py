@@ -19,12 +19,17 @@ from typing import Any
 import ray
 from ray import serve
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.app import App
 from ember.app.config import serve_logging, to_ray_options
 from ember.cluster import lifecycle
 from ember.control import snapshot_placement, warm_runtime
-from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
+from ember.control.listeners import (
+    LOCAL_CLUSTER_ENV,
+    LOOPBACK,
+    use_loopback_node_ip,
+    verify_loopback,
+)
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
 from ember.edge.auth import ApiKeys, check_exposure
@@ -177,7 +182,8 @@ def app_modules(app: App) -> list[str]:
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None,
-              preload: list[str] | None = None, warm: bool | None = None) -> bool:
+              preload: list[str] | None = None, warm: bool | None = None,
+              dashboard_port: int = 0) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local cluster; idempotent.
 
     Args:
@@ -185,6 +191,8 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
             (the warm runtime); torch and Ember's replica code are always among them.
         warm: Whether a local cluster's workers preload at all; None reads
             ``EMBER_WARM_RUNTIME`` (off at 0).
+        dashboard_port: Start Ray's dashboard on 127.0.0.1 at this port (local cluster only;
+            0: no dashboard).
 
     Returns:
         True if this call started a local cluster.
@@ -192,6 +200,9 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    # Before anything starts: a Ray that moved what keeps a door shut or a policy applied
+    # is refused here, with the reason (see ember/ray_internals.py).
+    ray_internals.require(local=address is None)
     user_paths = _user_module_paths()
     if address is None and user_paths:
         # Local workers inherit this environment, so user modules import there by name.
@@ -199,33 +210,53 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
             [*user_paths, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
     if address is None:
-        # Local workers and the Serve controller inherit this environment.
-        local_env = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS, **LOCAL_CLUSTER_ENV}
-        for name, value in local_env.items():
-            os.environ.setdefault(name, value)
+        _set_local_cluster_env()
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
+    dashboard_port = dashboard_port if address is None else 0
     # SIGTERM and SIGINT stay with this process's handlers (a drain), not Ray's.
     with lifecycle.ray_init_keeps_handlers():
         ray.init(
             # "local", not None: with None Ray joins the cluster its bootstrap file
             # (ray_current_cluster) names, someone else's on a shared machine.
             address=address or "local",
-            # A local cluster is reachable from this machine only (see control/listeners.py).
-            _node_ip_address=None if address else LOOPBACK,
             num_cpus=None if address else (int(num_cpus) if num_cpus else None),
-            include_dashboard=False,
+            include_dashboard=dashboard_port > 0,
+            # Only when asked for, and then on loopback like the rest.
+            dashboard_host=LOOPBACK,
+            dashboard_port=dashboard_port or None,
             runtime_env=runtime_env,
             logging_level=logging.WARNING,
             configure_logging=True,
-            _system_config=warm_runtime.system_config(preload or []) if warm else None,
+            # A local cluster is reachable from this machine only (see control/listeners.py).
+            **ray_internals.init_kwargs(
+                node_ip=None if address else LOOPBACK,
+                system_config=warm_runtime.system_config(preload or []) if warm else None),
         )
+    if address is None:
+        try:
+            verify_loopback(ray.get_runtime_context().gcs_address,
+                            str(ray.util.get_node_ip_address()))  # type: ignore[no-untyped-call]
+        except ray_internals.RayInternalsChanged:
+            ray.shutdown()
+            raise
     return address is None
 
 
+def _set_local_cluster_env() -> None:
+    """The environment local workers and Serve's controller inherit; set values win."""
+    serve_switches = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS}
+    if not ray_internals.available("serve_env_switches"):
+        # Only the switches Serve still reads: one it ignores is a no-op, not a risk.
+        unread = ray_internals.unread_serve_env_switches()
+        serve_switches = {k: v for k, v in serve_switches.items() if k not in unread}
+    for name, value in {**serve_switches, **LOCAL_CLUSTER_ENV}.items():
+        os.environ.setdefault(name, value)
+
+
 def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
-              stop: threading.Event | None = None) -> str:
+              stop: threading.Event | None = None, dashboard_port: int = 0) -> str:
     """Deploy ``app`` and return its base URL; returns once the app is running.
 
     The edges answer ``/readyz`` 200 only once this returns (and the warm runtime of a local
@@ -238,7 +269,7 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
     """
     global _refiller
     stop = stop or threading.Event()
-    started_here = start_ray(preload=app_modules(app))
+    started_here = start_ray(preload=app_modules(app), dashboard_port=dashboard_port)
     port = default_port() if port is None else port
     lifecycle.set_phase(app.name, lifecycle.STARTING)
     # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py).
@@ -306,6 +337,8 @@ def shutdown() -> None:
     if _refiller is not None:
         _refiller.stop()
         _refiller = None
+    if not ray.is_initialized():
+        return  # nothing started (serve.shutdown would start a local Ray just to stop it)
     try:
         serve.shutdown()  # type: ignore[no-untyped-call]
     finally:

@@ -12,6 +12,8 @@ import json
 import time
 from typing import Any
 
+from ember import ray_internals
+
 
 class EdgeReports:
     """The edges' published reports of one app; ``edge`` names the one this process writes."""
@@ -26,26 +28,19 @@ class EdgeReports:
         return f"metrics:{self.app}:{edge}"
 
     def publish(self, text: bytes, status: dict[str, Any]) -> None:
-        from ray.experimental import internal_kv
-
         value = json.dumps({"at": time.time(), "text": text.decode(), "status": status}).encode()
-        internal_kv._internal_kv_put(self._key(self.edge), value, overwrite=True,
-                                     namespace=self.NAMESPACE)
+        ray_internals.kv_put(self._key(self.edge), value, namespace=self.NAMESPACE)
 
     def withdraw(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self._key(self.edge), namespace=self.NAMESPACE)
+        ray_internals.kv_delete(self._key(self.edge), namespace=self.NAMESPACE)
 
     def published(self) -> dict[str, dict[str, Any]]:
         """Every edge's fresh publication (``at``, ``text``, ``status``), by edge id."""
-        from ray.experimental import internal_kv
-
         prefix = self._key("")
         found = {}
-        for key in internal_kv._internal_kv_list(prefix, namespace=self.NAMESPACE):
+        for key in ray_internals.kv_list(prefix, namespace=self.NAMESPACE):
             edge = key.decode()[len(prefix):]
-            raw = internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
+            raw = ray_internals.kv_get(key, namespace=self.NAMESPACE)
             try:
                 value = json.loads(raw or b"")
                 fresh = time.time() - float(value["at"]) < self.STALE_S

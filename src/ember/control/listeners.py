@@ -16,9 +16,11 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from ember import ray_internals
+
 #: Makes Ray pick the loopback address as the node IP (what it does on macOS and Windows);
 #: set in a local cluster's environment only, never when joining a cluster.
-LOCAL_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOCAL_CLUSTER_ENV = ray_internals.LOOPBACK_ENV
 LOOPBACK = "127.0.0.1"
 _WILDCARDS = ("[::]:", "0.0.0.0:")
 
@@ -53,13 +55,23 @@ def use_loopback_node_ip() -> None:
     Ray already, so its copy of the flag is set here too, unless the operator set the
     variable to something else.
     """
-    import os
+    ray_internals.set_driver_loopback_flag()
 
-    from ray._private import ray_constants
 
-    for name, value in LOCAL_CLUSTER_ENV.items():
-        if os.environ.get(name) == value:
-            ray_constants.ENABLE_RAY_CLUSTER = False
+def verify_loopback(gcs_address: str, node_ip: str) -> None:
+    """After a local cluster started: refuse it unless Ray bound it to loopback.
+
+    The last line of defence when a Ray upgrade ignores the loopback switch in a way the
+    checks in :mod:`ember.ray_internals` cannot see.
+
+    Raises:
+        RayInternalsChanged: the cluster's GCS or node IP is not on loopback.
+    """
+    hosts = {"gcs": gcs_address.rsplit(":", 1)[0].strip("[]"), "node": node_ip}
+    for what, host in hosts.items():
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ray_internals.RayInternalsChanged(
+                [f"loopback_node_ip: the local cluster's {what} is on {host}, not loopback"])
 
 
 def bind_replica_grpc_to_node_ip() -> None:
@@ -67,17 +79,54 @@ def bind_replica_grpc_to_node_ip() -> None:
 
     Idempotent; a no-op outside Ray. Must run before Serve calls ``_on_initialized``, i.e.
     in the replica's constructor.
+
+    Raises:
+        RayInternalsChanged: Serve binds its server some other way now; the replica must
+            not start (its server would listen on every interface).
     """
     import ray
-    from ray.serve._private import replica as serve_replica
 
-    original: Any = getattr(serve_replica, "add_port_to_grpc_server")  # noqa: B009
-    if getattr(original, "__ember_narrowed__", False) or not ray.is_initialized():
+    if not ray.is_initialized():
         return
     node_ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
-    def add_port(server: Any, address: str) -> int:
-        return int(original(server, narrow(address, node_ip)))
+    def narrowing(original: Any) -> Any:
+        def add_port(server: Any, address: str) -> int:
+            return int(original(server, narrow(address, node_ip)))
+        return add_port
 
-    add_port.__ember_narrowed__ = True  # type: ignore[attr-defined]
-    setattr(serve_replica, "add_port_to_grpc_server", add_port)  # noqa: B010
+    ray_internals.wrap_replica_grpc_bind(narrowing)
+
+
+def cluster_access(gcs_address: str, *, token_auth: bool,
+                   dashboard: str | None = None) -> dict[str, str | None]:
+    """How a second shell on this machine reaches the cluster at ``gcs_address``.
+
+    Ray's CLI and ``ray.init`` turn a loopback address into the machine's own address unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and a cluster started by ``ray.init`` has token
+    authentication on: its token is in ``~/.ray/auth_token``, used only with
+    ``RAY_AUTH_MODE=token``. ``address="auto"`` cannot find a loopback cluster by itself.
+
+    Example:
+        >>> cluster_access("10.0.0.5:6379", token_auth=True)["ray_status"]
+        'RAY_ADDRESS=10.0.0.5:6379 RAY_AUTH_MODE=token ray status'
+    """
+    host = gcs_address.rsplit(":", 1)[0].strip("[]")
+    env = [f"RAY_ADDRESS={gcs_address}"]
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            env += [f"{k}={v}" for k, v in LOCAL_CLUSTER_ENV.items()]
+    except ValueError:  # a host name: Ray resolves it as it is
+        pass
+    if token_auth:
+        env.append("RAY_AUTH_MODE=token")
+    dashboard = f"http://{dashboard}" if dashboard else None
+    prefix = " ".join(env)
+    return {
+        "gcs_address": gcs_address,
+        "env": prefix,
+        "ray_status": f"{prefix} ray status",
+        "dashboard": dashboard,
+        "serve_status": f"{prefix} RAY_DASHBOARD_ADDRESS={dashboard} serve status"
+        if dashboard else None,
+    }

@@ -37,6 +37,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ember import ray_internals
 from ember.app.decorator import DeploymentSpec
 from ember.control.listeners import bind_replica_grpc_to_node_ip
 from ember.control.replica import ReplicaCore, hide_gpus_unless_asked, instantiate
@@ -94,20 +95,16 @@ def failures_key(app_name: str, gpu: bool = False) -> str:
 
 def read_failures(app_name: str) -> dict[str, str]:
     """Deployments whose preload failed in a pool of ``app_name``, with the reason."""
-    from ray.experimental import internal_kv
-
     failures: dict[str, str] = {}
     for gpu in (False, True):
-        raw = internal_kv._internal_kv_get(failures_key(app_name, gpu), namespace=_KV_NAMESPACE)
+        raw = ray_internals.kv_get(failures_key(app_name, gpu), namespace=_KV_NAMESPACE)
         failures.update(json.loads(raw) if raw else {})
     return failures
 
 
 def _publish_failures(app_name: str, failures: dict[str, str], gpu: bool) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(failures_key(app_name, gpu), json.dumps(failures).encode(),
-                                 overwrite=True, namespace=_KV_NAMESPACE)
+    ray_internals.kv_put(failures_key(app_name, gpu), json.dumps(failures).encode(),
+                         namespace=_KV_NAMESPACE)
 
 
 class EmberPool:

@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray.serve import autoscaling_policy as _ray_autoscaling
-
+from ember import ray_internals
 from ember.app import schedule
 from ember.app.config import POLICY_IMPORT_PATH
 from ember.control import floors
@@ -35,17 +34,16 @@ def _is_ember_managed(ctx: Any) -> bool:
     return getattr(policy, "policy_function", None) == POLICY_IMPORT_PATH
 
 
-def _install_cold_start_hook() -> None:
-    original: Callable[[Any], int | None] = _ray_autoscaling._get_cold_start_scale_up_replicas
-    if getattr(original, "__ember_hook__", False):
-        return
-
+def _unless_ember(original: Callable[[Any], int | None]) -> Callable[[Any], int | None]:
     def cold_start_unless_ember(ctx: Any) -> int | None:
         # None means "no fast path": Ray then calls our policy, which sizes to the queue.
         return None if _is_ember_managed(ctx) else original(ctx)
+    return cold_start_unless_ember
 
-    cold_start_unless_ember.__ember_hook__ = True  # type: ignore[attr-defined]
-    _ray_autoscaling._get_cold_start_scale_up_replicas = cold_start_unless_ember
+
+def _install_cold_start_hook() -> None:
+    """Raises ``RayInternalsChanged`` when Ray moved the fast path (see ember.ray_internals)."""
+    ray_internals.wrap_cold_start_fast_path(_unless_ember)
 
 
 _install_cold_start_hook()

@@ -38,6 +38,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ember import ray_internals
+
 logger = logging.getLogger("ember.warm_runtime")
 
 #: Idle pre-started workers are kept this long (then Ray's idle-worker rules apply again).
@@ -50,7 +52,7 @@ _REFILL_AFTER_S = 3.0
 
 #: What every replica imports whatever the app: torch (and its operators run once), Serve's
 #: replica actor (1.2 s of imports on its own, measured here) and Ember's replica code.
-_BASE_MODULES = ("torch", "ember.control.torch_warm", "ray.serve._private.replica",
+_BASE_MODULES = ("torch", "ember.control.torch_warm", *ray_internals.serve_replica_module(),
                  "ember.control.replica")
 #: Runs after every other preload: it freezes what they allocated (see its doc).
 _LAST = "ember.control.settle_heap"
@@ -72,45 +74,25 @@ def system_config(modules: Iterable[str]) -> dict[str, Any]:
 def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
     """Ask this node's raylet to start ``count`` idle Python workers of this job now.
 
-    Must run in the process that started the local cluster (it knows the raylet's port).
+    Must run in the process that started the local cluster.
 
     Raises:
         Exception: whatever Ray raises when its internals differ from 2.60's.
     """
-    import ray
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
-    from ray.core.generated import runtime_environment_pb2 as runtime_env_pb2
-
-    # Ray's generated protobuf modules carry no type information.
-    common: Any = common_pb2
-    manager: Any = node_manager_pb2
-    env_pb2: Any = runtime_env_pb2
-    grpc_stubs: Any = node_manager_pb2_grpc
-    worker: Any = ray._private.worker.global_worker
-    channel = init_grpc_channel(f"{worker.node.node_ip_address}:{worker.node.node_manager_port}")
-    try:
-        request = manager.PrestartWorkersRequest(
-            language=common.PYTHON,
-            job_id=worker.current_job_id.binary(),
-            # Replicas of an embedded Ember app have no runtime environment: "{}".
-            runtime_env_info=env_pb2.RuntimeEnvInfo(serialized_runtime_env="{}"),
-            keep_alive_duration_secs=keep_alive_s,
-            num_workers=count,
-        )
-        grpc_stubs.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
-    finally:
-        channel.close()
+    ray_internals.prestart_workers(count, keep_alive_s)
 
 
 def _raylet_children() -> list[Any]:
+    """Processes of the raylet this process started (its local cluster's only one)."""
     import psutil
     import ray
-    from ray._private import ray_constants
 
-    node: Any = ray._private.worker._global_node
-    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    return list(psutil.Process(raylet).children())
+    node = f"--node_id={ray.get_runtime_context().get_node_id()}"
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.name() == "raylet" and node in process.cmdline():
+                return list(process.children())
+    return []
 
 
 def _is_worker(process: Any) -> bool:
@@ -130,7 +112,8 @@ def idle_workers() -> int:
     for child in _raylet_children():
         try:
             name = child.name()
-            count += name == "ray::IDLE" or (not name.startswith("ray::") and _is_worker(child))
+            idle = name == ray_internals.IDLE_WORKER_TITLE
+            count += idle or (not name.startswith("ray::") and _is_worker(child))
         except psutil.Error:  # exited meanwhile
             continue
     return count
@@ -148,14 +131,14 @@ def settled_idle_workers(sample_s: float = 0.3) -> int:
     before: dict[int, tuple[Any, float]] = {}
     for child in _raylet_children():
         with contextlib.suppress(psutil.Error):
-            if child.name() == "ray::IDLE":
+            if child.name() == ray_internals.IDLE_WORKER_TITLE:
                 before[child.pid] = (child, _cpu_s(child))
     time.sleep(sample_s)
     settled = 0
     for child, cpu_s in before.values():
         with contextlib.suppress(psutil.Error):
             used = _cpu_s(child) - cpu_s
-            settled += child.name() == "ray::IDLE" and used < 0.02 * sample_s
+            settled += child.name() == ray_internals.IDLE_WORKER_TITLE and used < 0.02 * sample_s
     return settled
 
 

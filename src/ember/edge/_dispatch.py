@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from ember import ray_internals
 from ember.app.config import DeploymentOptions
 from ember.app.decorator import RouteSpec
 from ember.control import coldstart
@@ -67,7 +68,7 @@ def _grpc_transport() -> dict[str, Any]:
     are built in the deploying process, whose Serve read that variable before Ember set it,
     so they would send by Ray actor call. Serve's own proxy sends over gRPC; so do the edges.
     """
-    return {"_by_reference": False} if os.environ.get(_GRPC_ENV) == "1" else {}
+    return ray_internals.handle_by_value_options() if os.environ.get(_GRPC_ENV) == "1" else {}
 
 
 class _ToPool(Exception):  # a signal inside the dispatcher, never raised out of it

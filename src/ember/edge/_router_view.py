@@ -17,31 +17,19 @@ if they wait.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from ray.serve._private import router as _serve_router
+from ember import ray_internals
 
 
 def running_replicas(handle: Any) -> int | None:
     """Replicas the handle's router may send to now, or None when that is not known."""
-    router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
-    if router is None:
-        return None
-    request_router = getattr(router, "_request_router", None)
-    if request_router is not None:
-        replicas = getattr(request_router, "curr_replicas", None)
-        return len(replicas) if isinstance(replicas, dict) else None
-    # Before its first request the router only stores the list it was sent.
-    pending = getattr(router, "_running_replicas", None)
-    return len(pending) if isinstance(pending, list) else None
+    return ray_internals.router_running_replicas(handle)
 
 
 def assigned(response: Any) -> bool | None:
     """Whether a sent request has reached a replica yet, or None when that is not known."""
-    future = getattr(response, "_replica_result_future", None)
-    done = getattr(future, "done", None)
-    return bool(done()) if callable(done) else None
+    return ray_internals.response_assigned(response)
 
 
 def push_fresh_demand_at_zero() -> bool:
@@ -56,21 +44,4 @@ def push_fresh_demand_at_zero() -> bool:
     Recording a sample just before that push fixes it. Installed in the process that holds
     the handles (the edge); returns False when a Ray upgrade moved what this wraps.
     """
-    manager = getattr(_serve_router, "RouterMetricsManager", None)
-    original: Callable[..., bool] | None = getattr(
-        manager, "should_send_scaled_to_zero_optimized_push", None)
-    records = hasattr(manager, "_add_autoscaling_metrics_point")
-    if manager is None or original is None or not records:
-        return False
-    if getattr(original, "__ember_fresh__", False):
-        return True
-
-    def fresh(self: Any, curr_num_replicas: int) -> bool:
-        send = original(self, curr_num_replicas)
-        if send:
-            self._add_autoscaling_metrics_point()
-        return send
-
-    fresh.__ember_fresh__ = True  # type: ignore[attr-defined]
-    manager.should_send_scaled_to_zero_optimized_push = fresh
-    return True
+    return ray_internals.wrap_scaled_to_zero_push(ray_internals.record_metrics_point)

@@ -32,10 +32,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.routing import Match, Router
 from starlette.types import Scope
 
-from ember import settings
+from ember import ray_internals, settings
 from ember.app.config import DeploymentOptions, check_name
 from ember.app.decorator import RouteSpec
-from ember.control import floors, placement, pool
+from ember.control import floors, listeners, placement, pool
 from ember.edge._asgi import (
     COLD_START_HEADER,
     ColdStartHeaderMiddleware,
@@ -142,6 +142,7 @@ class IngressState:
             # Which edge answered, and how many run: what an operator (or a chaos test)
             # needs to see the edges come back.
             "edges": {"running": self.tracker.edges_running, "pid": os.getpid()},
+            "ray": _ray_access(),
         }
 
     # The Gateway protocol adapters use.
@@ -510,3 +511,15 @@ def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
 
 
 __all__ = ["IngressState", "build_fastapi"]
+
+
+def _ray_access() -> dict[str, str | None] | None:
+    """How a second shell reaches this edge's Ray cluster (``ray status``, ``serve status``)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    # Workers inherit the driver's RAY_AUTH_MODE, which Ray sets when it turns tokens on.
+    return listeners.cluster_access(ray.get_runtime_context().gcs_address,
+                                    token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
+                                    dashboard=ray_internals.dashboard_address())

@@ -8,7 +8,8 @@ facts reach logs, callers and tests::
     EmberError (500)
     ├── ConfigError (500)              bad decorator options or app wiring; raised at import
     │   ├── ModelFilesMissing          a ready-made model's files are not installed
-    │   └── NoBatchHandler             an offline target has no batch handler to map
+    │   ├── NoBatchHandler             an offline target has no batch handler to map
+    │   └── RayInternalsChanged        the installed Ray moved a private part Ember relies on
     ├── RequestError (400)             the caller's fault; nothing was touched
     │   ├── BadRequest (400)           unsafe names, unreadable input
     │   │   ├── MalformedJSON (400)
@@ -74,6 +75,7 @@ from ember.errors._base import (
     NotFound,
     PayloadTooLarge,
     QueueFull,
+    RayInternalsChanged,
     RequestError,
     RequestTimeout,
     ServiceError,
@@ -145,6 +147,7 @@ __all__ = [
     "QueueFull",
     "RangeNotSupported",
     "RateLimited",
+    "RayInternalsChanged",
     "RequestError",
     "RequestTimeout",
     "ResumeMismatch",

@@ -47,6 +47,17 @@ class ConfigError(EmberError, ValueError):
     """A deployment or application is wired wrongly; raised when it is declared."""
 
 
+class RayInternalsChanged(ConfigError):
+    """The installed Ray lacks a private part Ember needs to keep its doors and policies."""
+
+    template = ("the installed Ray differs from the versions Ember was tested with (2.60); "
+                "refusing to start: {reasons}")
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(reasons="; ".join(problems))
+        self.problems = problems
+
+
 class RequestError(EmberError):
     """The request is at fault; the server state is untouched."""
 

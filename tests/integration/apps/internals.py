@@ -1,0 +1,35 @@
+"""A plain Serve deployment that reports what Ray's private switches did inside its replica."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+from ray import serve
+
+from ember import ray_internals
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class Probe:
+    def __init__(self) -> None:
+        from ember.control.listeners import bind_replica_grpc_to_node_ip
+
+        bind_replica_grpc_to_node_ip()  # as Ember's replica classes do
+
+    async def __call__(self) -> dict[str, Any]:
+        from ray.serve._private import constants, replica
+
+        switches = ray_internals.SERVE_ENV_SWITCHES
+        return {
+            "pid": os.getpid(),
+            "gc_frozen": gc.get_freeze_count(),
+            "env": {name: os.environ.get(name) for name in switches},
+            # What Serve parsed from each switch, in this replica.
+            "parsed": {name: getattr(constants, name.removeprefix("RAY_SERVE_"), None)
+                       if not hasattr(constants, name) else getattr(constants, name)
+                       for name in switches},
+            "bind_wrapped": getattr(getattr(replica, "add_port_to_grpc_server"),  # noqa: B009
+                                    "__ember_wrapped__", False),
+        }
