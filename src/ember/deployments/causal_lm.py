@@ -1,0 +1,237 @@
+"""Any ``transformers`` causal LM stored as safetensors, built without a second copy.
+
+``causal_lm_app(url)`` serves the checkpoint at ``url`` (a folder with ``config.json`` and
+``model.safetensors`` or a sharded ``model.safetensors.index.json``; ``file://``, ``s3://``
+and the other ``ember.loaders`` schemes) at ``POST /lm``: a JSON list of token ids in, one
+forward pass, the next token out (greedy), with the replica's load report.
+
+A replica loads in this order:
+
+1. the weights' bytes are compared with the node's free memory, and a replica that cannot
+   fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before anything is
+   read;
+2. the node's snapshot of the weights is mapped (or the node cache is filled first, from the
+   regional tier or the origin, shard by shard in the order the model uses them);
+3. a thread reads the pages of the mapped blobs that are not in the page cache with large
+   parallel reads, while the main thread imports ``transformers`` and builds the model on
+   the ``meta`` device (no parameter memory at all);
+4. the mapped tensors become the parameters (``load_state_dict(assign=True)``): no copy, so
+   a replica's memory is the page cache's pages, shared by every replica of the model on
+   the node.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+import torch
+
+import ember
+from ember import loaders
+from ember.errors import HeaderInvalid, InsufficientMemory
+from ember.loaders._config import LoaderConfig, as_config
+from ember.loaders._residency import prefetch
+from ember.loaders._resolve import open_source, resolve_target
+from ember.loaders._snapshot import SNAPSHOT_DIR, read_record, snapshot_key
+
+#: Part of the snapshot key: a new construction path never restores an old snapshot.
+CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class LoadReport:
+    """How one replica's model was loaded: bytes, where they came from, seconds per phase."""
+
+    weights_bytes: int
+    read_bytes: int = 0  # bytes the prefetch read from storage (0 when all were resident)
+    restored: bool = False  # mapped from the node's snapshot without touching the origin
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_fits(needed_bytes: int, free_bytes: int, *, what: str) -> None:
+    """Refuse a load whose weights do not fit in the node's free memory.
+
+    Raises:
+        InsufficientMemory: ``needed_bytes`` is over ``free_bytes`` (503).
+
+    Example:
+        >>> check_fits(1 << 30, 4 << 30, what="llama")
+    """
+    if needed_bytes > free_bytes:
+        raise InsufficientMemory(what=what, needed_bytes=needed_bytes, free_bytes=free_bytes)
+
+
+def free_memory_bytes() -> int:
+    """Memory the node can give a new replica now (``MemAvailable``: free plus reclaimable)."""
+    return int(psutil.virtual_memory().available)
+
+
+def _record_path(url: str, cfg: LoaderConfig) -> Path:
+    return cfg.node_root() / SNAPSHOT_DIR / f"{snapshot_key(url, CODE_VERSION)}.json"
+
+
+def weights_bytes(url: str, cfg: LoaderConfig) -> int:
+    """The weights' size: from the node's snapshot record, else from the origin's files."""
+    record = _record_path(url, cfg)
+    if record.exists():
+        try:
+            return read_record(record).total_bytes
+        except (OSError, ValueError):
+            pass  # the load falls back to the origin and rewrites it
+    target = resolve_target(url, cfg)
+    try:
+        return sum(target.source.stat(name).size for name in target.files)
+    finally:
+        target.source.close()
+
+
+def read_config(url: str, cfg: LoaderConfig) -> dict[str, Any]:
+    """``config.json`` beside the weights.
+
+    Raises:
+        HeaderInvalid: it is not a JSON object with a ``model_type``.
+    """
+    source, name = open_source(url, cfg)
+    folder = name.rpartition("/")[0] + "/" if name and "/" in name else ""
+    try:
+        doc = json.loads(source.read_small(folder + CONFIG_NAME))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HeaderInvalid(name=CONFIG_NAME, reason=f"not JSON ({exc})") from None
+    finally:
+        source.close()
+    if not isinstance(doc, dict) or "model_type" not in doc:
+        raise HeaderInvalid(name=CONFIG_NAME, reason="no model_type")
+    return doc
+
+
+def build_on_meta(config_doc: dict[str, Any]) -> torch.nn.Module:
+    """The model ``config_doc`` describes, built on the ``meta`` device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_doc)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=torch.bfloat16)
+    return model  # type: ignore[no-any-return]
+
+
+def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Make the mapped tensors the model's parameters (no copy); rebuild derived buffers.
+
+    Raises:
+        HeaderInvalid: names or shapes do not match the model.
+    """
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise HeaderInvalid(name="state dict", reason=str(exc)[:500]) from None
+    config = getattr(model, "config", None)
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            # Non-persistent buffers (rotary frequencies) are not in the checkpoint: the
+            # module computes them again on the CPU.
+            model.set_submodule(name, type(module)(config=config))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # type: ignore[operator]
+    return model.eval().requires_grad_(False)
+
+
+def _blob_paths(url: str, cfg: LoaderConfig) -> list[Path]:
+    record = read_record(_record_path(url, cfg))
+    root = cfg.node_root()
+    return [root / f.path for f in record.files]
+
+
+def load_causal_lm(url: str, *, config: Any = None,
+                   free_bytes: int | None = None) -> tuple[torch.nn.Module, LoadReport]:
+    """Load the causal LM at ``url`` as described in the module docstring.
+
+    Args:
+        url: the weights URL (a folder, or its index or safetensors file).
+        config: a :class:`~ember.loaders.LoaderConfig` or a mapping of its fields.
+        free_bytes: the node's free memory (``None``: measured now).
+
+    Returns:
+        The model (parameters are views on the node cache's pages) and its load report.
+
+    Raises:
+        InsufficientMemory: the weights do not fit in ``free_bytes``.
+        WeightsError: the weights cannot be fetched, verified or assigned.
+    """
+    cfg = as_config(config)
+    marks = [time.perf_counter()]
+    size = weights_bytes(url, cfg)
+    check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
+    config_doc = read_config(url, cfg)
+    marks.append(time.perf_counter())
+    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg)
+    marks.append(time.perf_counter())
+    with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
+        pages: Future[int] = pool.submit(prefetch, _blob_paths(url, cfg))
+        model = build_on_meta(config_doc)  # imports transformers while the pages arrive
+        marks.append(time.perf_counter())
+        read = pages.result()
+        marks.append(time.perf_counter())
+    model = assign_weights(model, got.tensors)
+    marks.append(time.perf_counter())
+    names = ("check", "map", "construct", "pages_wait", "assign")
+    phases = {n: round(b - a, 4) for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
+    phases["total"] = round(marks[-1] - marks[0], 4)
+    return model, LoadReport(size, read, got.restored, phases)
+
+
+def next_token(model: torch.nn.Module, token_ids: list[int]) -> int:
+    """One forward pass over ``token_ids``; the most likely next token."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits
+    return int(logits[0, -1].argmax())
+
+
+class CausalLM:
+    """One forward pass per request over the model at :attr:`weights_url`."""
+
+    weights_url: ClassVar[str] = ""
+    loader_options: ClassVar[dict[str, Any]] = {}
+
+    def setup(self) -> None:
+        self.model, self.report = load_causal_lm(self.weights_url, config=self.loader_options)
+
+    def warmup(self) -> None:
+        next_token(self.model, [1, 2, 3, 4])
+
+    def __call__(self, token_ids: list[int]) -> dict[str, Any]:
+        return {"next_token": next_token(self.model, token_ids), "load": self.report.as_dict()}
+
+
+def causal_lm_app(url: str, *, name: str = "causal-lm", deployment: str = "CausalLM",
+                  loader_options: dict[str, Any] | None = None,
+                  **options: Any) -> ember.App:
+    """An app serving the causal LM at ``url`` on ``POST /lm``.
+
+    Args:
+        url: the weights URL.
+        name: the application's name.
+        deployment: the deployment's name.
+        loader_options: :class:`~ember.loaders.LoaderConfig` fields for the replicas.
+        **options: ``@ember.deployment`` options (defaults: scale to zero, one CPU).
+
+    Example:
+        >>> app = causal_lm_app("file:///models/llama-1b/")  # doctest: +SKIP
+    """
+    members = {"weights_url": url, "loader_options": dict(loader_options or {}),
+               "__module__": __name__, "__call__": CausalLM.__call__}
+    cls = type(deployment, (CausalLM,), members)
+    defaults: dict[str, Any] = {"name": deployment, "route": "/lm", "warm_floor": 0,
+                                "max_replicas": 1, "num_cpus": 1, "request_timeout_s": 600}
+    return ember.App([ember.deployment(**{**defaults, **options})(cls)], name=name,
+                     warm_pool=0)
