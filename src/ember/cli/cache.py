@@ -1,4 +1,4 @@
-"""``ember cache``: warm, list, verify and evict the node cache.
+"""``ember cache``: warm, list, verify and evict the node cache; measure its limits.
 
 The main ``ember`` command adds these with :func:`register`; every subcommand sets
 ``func(args) -> int`` (the exit code).
@@ -75,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     which.add_argument("--all", action="store_true", help="remove every blob")
     which.add_argument("key", nargs="?", help="sha256 (or a unique prefix of >= 8 chars)")
     evict.set_defaults(func=cmd_evict)
+    bench = sub.add_parser(
+        "bench", help="measure this node's load limits; show recent loads' GB/s beside them")
+    bench.add_argument("--size-mb", type=int, default=512,
+                       help="scratch file size for the disk and page-cache reads (MB)")
+    bench.add_argument("--loads", type=int, default=10, help="recent loads to show")
+    bench.set_defaults(func=cmd_bench)
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> LoaderConfig:
@@ -233,3 +239,50 @@ def cmd_evict(args: argparse.Namespace) -> int:
         return 0
 
     return _guard(args, run)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``ember cache bench``: the node's limits, then each recent load against its limit."""
+
+    def run(a: argparse.Namespace) -> int:
+        from ember.loaders._limits import local_limits, path_of, recent_loads
+
+        config = _config(a)
+        root = config.node_root()
+        limits = local_limits(root, a.size_mb << 20)
+        regional = _regional_gbps(config)
+        if regional is not None:
+            limits["regional_gbps"] = regional
+        for name, value in limits.items():
+            print(f"{name:<18} {value:8.2f} GB/s")
+        against = {"page_cache": "page_cache_gbps", "disk": "disk_cold_gbps",
+                   "fill": "regional_gbps"}
+        loads = recent_loads(root, a.loads)
+        if loads:
+            print(f"\n{'load':<44} {'GB':>6} {'s':>7} {'GB/s':>6} {'path':<10} share of limit")
+        for entry in loads:
+            gbps = entry["bytes"] / max(entry["seconds"], 1e-9) / 1e9
+            path = path_of(entry)
+            limit = limits.get(against[path])
+            share = f"{gbps / limit:.2f}" if limit else "-"
+            print(f"{str(entry['url'])[-44:]:<44} {entry['bytes'] / 1e9:6.2f} "
+                  f"{entry['seconds']:7.2f} {gbps:6.2f} {path:<10} {share}")
+        return 0
+
+    return _guard(args, run)
+
+
+def _regional_gbps(config: LoaderConfig) -> float | None:
+    """Ranged-GET GB/s of the regional tier's largest blob, or None without a tier."""
+    from ember.loaders._fetch import regional_tier
+    from ember.loaders._limits import regional_limit
+
+    tier = regional_tier(config)
+    if tier is None:
+        return None
+    entries = sorted(tier.entries(), key=lambda e: e.size)
+    if not entries:
+        return None
+    biggest = entries[-1]
+    path = f"{tier.base}/{biggest.namespace}/blobs/{biggest.sha256}"
+    return regional_limit(tier.fs, path, biggest.size)

@@ -23,6 +23,7 @@ A replica loads in this order:
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ import ember
 from ember import loaders
 from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders._config import LoaderConfig, as_config
+from ember.loaders._limits import record_load
 from ember.loaders._residency import prefetch
 from ember.loaders._resolve import open_source, resolve_target
 from ember.loaders._snapshot import SNAPSHOT_DIR, read_record, snapshot_key
@@ -152,6 +154,12 @@ def _blob_paths(url: str, cfg: LoaderConfig) -> list[Path]:
     return [root / f.path for f in record.files]
 
 
+def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
+    start = time.perf_counter()
+    read = prefetch(paths)
+    return read, time.perf_counter() - start
+
+
 def load_causal_lm(url: str, *, config: Any = None,
                    free_bytes: int | None = None) -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
@@ -177,17 +185,21 @@ def load_causal_lm(url: str, *, config: Any = None,
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg)
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
-        pages: Future[int] = pool.submit(prefetch, _blob_paths(url, cfg))
+        pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, _blob_paths(url, cfg))
         model = build_on_meta(config_doc)  # imports transformers while the pages arrive
         marks.append(time.perf_counter())
-        read = pages.result()
+        read, read_s = pages.result()
         marks.append(time.perf_counter())
     model = assign_weights(model, got.tensors)
     marks.append(time.perf_counter())
     names = ("check", "map", "construct", "pages_wait", "assign")
     phases = {n: round(b - a, 4) for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
     phases["total"] = round(marks[-1] - marks[0], 4)
-    return model, LoadReport(size, read, got.restored, phases)
+    phases["pages_read"] = round(read_s, 4)  # the prefetch's own time (overlaps construct)
+    report = LoadReport(size, read, got.restored, phases)
+    record_load(cfg.node_root(), {"url": url, "bytes": size, "read_bytes": read,
+                                  "restored": got.restored, "seconds": phases["total"]})
+    return model, report
 
 
 def next_token(model: torch.nn.Module, token_ids: list[int]) -> int:
@@ -197,6 +209,12 @@ def next_token(model: torch.nn.Module, token_ids: list[int]) -> int:
     return int(logits[0, -1].argmax())
 
 
+def memory_bytes() -> dict[str, int]:
+    """This process's resident and proportional set sizes (PSS splits shared pages)."""
+    info = psutil.Process().memory_full_info()
+    return {"rss_bytes": int(info.rss), "pss_bytes": int(getattr(info, "pss", info.rss))}
+
+
 class CausalLM:
     """One forward pass per request over the model at :attr:`weights_url`."""
 
@@ -204,34 +222,45 @@ class CausalLM:
     loader_options: ClassVar[dict[str, Any]] = {}
 
     def setup(self) -> None:
+        self.rss_before_bytes = memory_bytes()["rss_bytes"]
         self.model, self.report = load_causal_lm(self.weights_url, config=self.loader_options)
 
     def warmup(self) -> None:
         next_token(self.model, [1, 2, 3, 4])
 
     def __call__(self, token_ids: list[int]) -> dict[str, Any]:
-        return {"next_token": next_token(self.model, token_ids), "load": self.report.as_dict()}
+        token = next_token(self.model, token_ids)
+        memory = {**memory_bytes(), "rss_before_load_bytes": self.rss_before_bytes}
+        return {"next_token": token, "load": self.report.as_dict(), "memory": memory,
+                "pid": os.getpid()}
 
 
-def causal_lm_app(url: str, *, name: str = "causal-lm", deployment: str = "CausalLM",
-                  loader_options: dict[str, Any] | None = None,
-                  **options: Any) -> ember.App:
-    """An app serving the causal LM at ``url`` on ``POST /lm``.
+def causal_lm_deployment(url: str, *, deployment: str = "CausalLM", route: str = "/lm",
+                         loader_options: dict[str, Any] | None = None,
+                         **options: Any) -> type:
+    """A deployment class serving the causal LM at ``url`` on ``POST route``.
 
     Args:
         url: the weights URL.
-        name: the application's name.
         deployment: the deployment's name.
+        route: its route.
         loader_options: :class:`~ember.loaders.LoaderConfig` fields for the replicas.
         **options: ``@ember.deployment`` options (defaults: scale to zero, one CPU).
-
-    Example:
-        >>> app = causal_lm_app("file:///models/llama-1b/")  # doctest: +SKIP
     """
     members = {"weights_url": url, "loader_options": dict(loader_options or {}),
                "__module__": __name__, "__call__": CausalLM.__call__}
     cls = type(deployment, (CausalLM,), members)
-    defaults: dict[str, Any] = {"name": deployment, "route": "/lm", "warm_floor": 0,
+    defaults: dict[str, Any] = {"name": deployment, "route": route, "warm_floor": 0,
                                 "max_replicas": 1, "num_cpus": 1, "request_timeout_s": 600}
-    return ember.App([ember.deployment(**{**defaults, **options})(cls)], name=name,
-                     warm_pool=0)
+    decorated: type = ember.deployment(**{**defaults, **options})(cls)
+    return decorated
+
+
+def causal_lm_app(url: str, *, name: str = "causal-lm", **options: Any) -> ember.App:
+    """An app serving the causal LM at ``url`` on ``POST /lm`` (options as for
+    :func:`causal_lm_deployment`).
+
+    Example:
+        >>> app = causal_lm_app("file:///models/llama-1b/")  # doctest: +SKIP
+    """
+    return ember.App([causal_lm_deployment(url, **options)], name=name, warm_pool=0)
