@@ -142,7 +142,8 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
         if any(b.is_meta for b in module.buffers(recurse=False)):
             # Non-persistent buffers (rotary frequencies) are not in the checkpoint: the
             # module computes them again on the CPU.
-            model.set_submodule(name, type(module)(config=config))
+            device = next(model.parameters()).device
+            model.set_submodule(name, type(module)(config=config).to(device))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # type: ignore[operator]
     return model.eval().requires_grad_(False)
@@ -160,14 +161,16 @@ def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
     return read, time.perf_counter() - start
 
 
-def load_causal_lm(url: str, *, config: Any = None,
-                   free_bytes: int | None = None) -> tuple[torch.nn.Module, LoadReport]:
+def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,
+                   device: str = "cpu") -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
 
     Args:
         url: the weights URL (a folder, or its index or safetensors file).
         config: a :class:`~ember.loaders.LoaderConfig` or a mapping of its fields.
         free_bytes: the node's free memory (``None``: measured now).
+        device: ``"cpu"`` (views on the page cache) or a CUDA device: each tensor is copied
+            once through the loaders' pinned staging buffer, in chunks (unmeasured here).
 
     Returns:
         The model (parameters are views on the node cache's pages) and its load report.
@@ -182,7 +185,7 @@ def load_causal_lm(url: str, *, config: Any = None,
     check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
     config_doc = read_config(url, cfg)
     marks.append(time.perf_counter())
-    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg)
+    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
         pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, _blob_paths(url, cfg))
@@ -264,3 +267,18 @@ def causal_lm_app(url: str, *, name: str = "causal-lm", **options: Any) -> ember
         >>> app = causal_lm_app("file:///models/llama-1b/")  # doctest: +SKIP
     """
     return ember.App([causal_lm_deployment(url, **options)], name=name, warm_pool=0)
+
+
+def __getattr__(name: str) -> Any:
+    # ``ember run ember.deployments.causal_lm:app`` serves EMBER_CAUSAL_LM_WEIGHTS; built on
+    # first access so that importing the module needs no configuration.
+    if name == "app":
+        from ember import settings
+        from ember.errors import ConfigError
+
+        url = settings.load().causal_lm_weights
+        if not url:
+            raise ConfigError("set EMBER_CAUSAL_LM_WEIGHTS to the weights URL (a folder with "
+                              "config.json and model.safetensors[.index.json]) to serve it")
+        return causal_lm_app(url)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
