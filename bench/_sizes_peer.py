@@ -13,7 +13,8 @@ same model (the folder's ``config.json``, bf16) and ends with every weight in me
   ``from_pretrained`` (what a user without a streaming loader writes for S3);
 * ``ember``: ``ember.deployments.causal_lm.load_causal_lm`` (the deployment's own load).
 
-``seconds`` counts from the call to the model ready; ``transformers`` is imported once when
+``seconds`` counts from the call until every page of every weight has been read once
+(``returned_s``: until the loader returned, which for a lazy mapping is before any read); ``transformers`` is imported once when
 the worker starts (its time is in the ready line as ``import_s``), never per load. The
 model is dropped before the answer, so the worker never holds two.
 """
@@ -107,11 +108,15 @@ def load_ember(folder: Path, url: str = "", options: dict[str, Any] | None = Non
     from ember.deployments.causal_lm import load_causal_lm
 
     model, _report = load_causal_lm(url or folder.as_uri(), config=options or {})
-    # Ember's load leaves the bytes in the page cache, mapped; touch them as the peers'
-    # copies did, so that every loader ends with the weights in memory.
-    for tensor in model.state_dict().values():
-        tensor.view(-1)[:: max(1, 4096 // tensor.element_size())].sum()
     return model
+
+
+def touch(model: Any) -> None:
+    """Read one element of every page of every weight: a lazily mapped model (Ember's, and
+    transformers 5's ``from_pretrained`` on safetensors) pays for its reads here, as a
+    model that copied its weights already did."""
+    for tensor in model.state_dict().values():
+        tensor.view(-1)[:: max(1, 4096 // tensor.element_size())].float().sum()
 
 
 LOADERS = {"from_pretrained": load_from_pretrained, "load_file": load_load_file,
@@ -125,11 +130,13 @@ def handle(command: dict[str, Any]) -> dict[str, Any]:
     model = LOADERS[command["loader"]](folder, url=command.get("url", ""),
                                        endpoint=command.get("endpoint", ""),
                                        options=command.get("options"))
+    loaded_s = time.perf_counter() - start
+    touch(model)
     seconds = time.perf_counter() - start
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     del model
     gc.collect()
-    return {"seconds": seconds, "bytes": nbytes}
+    return {"seconds": seconds, "returned_s": loaded_s, "bytes": nbytes}
 
 
 def main() -> int:
