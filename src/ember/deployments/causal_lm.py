@@ -13,8 +13,8 @@ A replica loads in this order:
 2. the node's snapshot of the weights is mapped (or the node cache is filled first, from the
    regional tier or the origin, shard by shard in the order the model uses them);
 3. a thread reads the pages of the mapped blobs that are not in the page cache with large
-   parallel reads, while the main thread imports ``transformers`` and builds the model on
-   the ``meta`` device (no parameter memory at all);
+   parallel reads, while the main thread builds the model on the ``meta`` device (no
+   parameter memory at all);
 4. the mapped tensors become the parameters (``load_state_dict(assign=True)``): no copy, so
    a replica's memory is the page cache's pages, shared by every replica of the model on
    the node.
@@ -32,6 +32,10 @@ from typing import Any, ClassVar
 
 import psutil
 import torch
+
+# At import, not in setup(): a warm-runtime worker preloads the deployment's module, so a
+# replica finds transformers imported (seconds of CPU on a busy node) before it starts.
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import ember
 from ember import loaders
@@ -118,8 +122,6 @@ def read_config(url: str, cfg: LoaderConfig) -> dict[str, Any]:
 
 def build_on_meta(config_doc: dict[str, Any]) -> torch.nn.Module:
     """The model ``config_doc`` describes, built on the ``meta`` device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.for_model(**config_doc)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
@@ -189,7 +191,7 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
         pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, _blob_paths(url, cfg))
-        model = build_on_meta(config_doc)  # imports transformers while the pages arrive
+        model = build_on_meta(config_doc)  # while the pages arrive
         marks.append(time.perf_counter())
         read, read_s = pages.result()
         marks.append(time.perf_counter())
