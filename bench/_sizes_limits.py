@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ember.loaders._residency import evict, resident_bytes
+from ember.loaders.pages import evict, resident_bytes
 
 CHUNK = 16 << 20
 S3_RANGE = 8 << 20

@@ -14,8 +14,9 @@ same model (the folder's ``config.json``, bf16) and ends with every weight in me
 * ``ember``: ``ember.deployments.causal_lm.load_causal_lm`` (the deployment's own load).
 
 ``seconds`` counts from the call until every page of every weight has been read once
-(``returned_s``: until the loader returned, which for a lazy mapping is before any read); ``transformers`` is imported once when
-the worker starts (its time is in the ready line as ``import_s``), never per load. The
+(``returned_s``: until the loader returned, which for a lazy mapping is before any read);
+``transformers`` is imported once when the worker starts (its time is in the ready line as
+``import_s``), never per load. The
 model is dropped before the answer, so the worker never holds two.
 """
 

@@ -154,7 +154,7 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
     if path == "disk_cold":
         out["resident_after_drop_bytes"] = lim.drop(rung.blobs)
     elif path == "disk_warm":
-        from ember.loaders._residency import prefetch
+        from ember.loaders.pages import prefetch
 
         prefetch(rung.blobs)
     elif path == "regional":

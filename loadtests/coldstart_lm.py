@@ -60,7 +60,7 @@ def _add_options(parser: Any) -> None:
 def drop_page_cache(weights_dir: str) -> int:
     """Drop the node cache's blobs (and the origin's files); bytes still resident after."""
     from ember.loaders._config import default_cache_dir
-    from ember.loaders._residency import evict, resident_bytes
+    from ember.loaders.pages import evict, resident_bytes
 
     files = [p for p in default_cache_dir().glob("*/blobs/*") if p.is_file()]
     if weights_dir:

@@ -48,7 +48,7 @@ OVERLOAD_APP = "loadtests/apps.py:app"
 CHAOS_APP = "loadtests/chaos_apps.py:app"
 ROLLOUT_APP = "loadtests/rollout_apps.py:app"
 TEXTGEN_APP = "ember.deployments.textgen:app"
-LM_APP = "ember.deployments.causal_lm:app"
+LM_APP = "loadtests/lm_apps.py:app"
 SAMPLE_EVERY_S = 0.5
 
 

@@ -79,9 +79,6 @@ class Settings(BaseSettings):
     regional_cache: str | None = Field(None, description="fsspec URL of the regional tier")
     snapshot_max_bytes: int | None = Field(None, ge=0, description="cap on node snapshots")
     minilm_weights: str | None = Field(None, description="weights URL of the flagship")
-    causal_lm_weights: str | None = Field(
-        None, description="weights URL (a folder) that ember.deployments.causal_lm:app serves"
-    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where models run"
     )

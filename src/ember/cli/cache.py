@@ -245,12 +245,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``ember cache bench``: the node's limits, then each recent load against its limit."""
 
     def run(a: argparse.Namespace) -> int:
-        from ember.loaders._limits import local_limits, path_of, recent_loads
+        from ember.loaders.limits import local_limits, path_of, recent_loads, regional_limit
 
         config = _config(a)
         root = config.node_root()
         limits = local_limits(root, a.size_mb << 20)
-        regional = _regional_gbps(config)
+        regional = regional_limit(config)
         if regional is not None:
             limits["regional_gbps"] = regional
         for name, value in limits.items():
@@ -270,19 +270,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
 
     return _guard(args, run)
-
-
-def _regional_gbps(config: LoaderConfig) -> float | None:
-    """Ranged-GET GB/s of the regional tier's largest blob, or None without a tier."""
-    from ember.loaders._fetch import regional_tier
-    from ember.loaders._limits import regional_limit
-
-    tier = regional_tier(config)
-    if tier is None:
-        return None
-    entries = sorted(tier.entries(), key=lambda e: e.size)
-    if not entries:
-        return None
-    biggest = entries[-1]
-    path = f"{tier.base}/{biggest.namespace}/blobs/{biggest.sha256}"
-    return regional_limit(tier.fs, path, biggest.size)

@@ -40,11 +40,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import ember
 from ember import loaders
 from ember.errors import HeaderInvalid, InsufficientMemory
-from ember.loaders._config import LoaderConfig, as_config
-from ember.loaders._limits import record_load
-from ember.loaders._residency import prefetch
-from ember.loaders._resolve import open_source, resolve_target
-from ember.loaders._snapshot import SNAPSHOT_DIR, read_record, snapshot_key
+from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
+from ember.loaders.limits import record_load
+from ember.loaders.pages import prefetch
 
 #: Part of the snapshot key: a new construction path never restores an old snapshot.
 CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
@@ -82,39 +80,11 @@ def free_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _record_path(url: str, cfg: LoaderConfig) -> Path:
-    return cfg.node_root() / SNAPSHOT_DIR / f"{snapshot_key(url, CODE_VERSION)}.json"
-
-
-def weights_bytes(url: str, cfg: LoaderConfig) -> int:
-    """The weights' size: from the node's snapshot record, else from the origin's files."""
-    record = _record_path(url, cfg)
-    if record.exists():
-        try:
-            return read_record(record).total_bytes
-        except (OSError, ValueError):
-            pass  # the load falls back to the origin and rewrites it
-    target = resolve_target(url, cfg)
+def _config_doc(raw: bytes) -> dict[str, Any]:
     try:
-        return sum(target.source.stat(name).size for name in target.files)
-    finally:
-        target.source.close()
-
-
-def read_config(url: str, cfg: LoaderConfig) -> dict[str, Any]:
-    """``config.json`` beside the weights.
-
-    Raises:
-        HeaderInvalid: it is not a JSON object with a ``model_type``.
-    """
-    source, name = open_source(url, cfg)
-    folder = name.rpartition("/")[0] + "/" if name and "/" in name else ""
-    try:
-        doc = json.loads(source.read_small(folder + CONFIG_NAME))
+        doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HeaderInvalid(name=CONFIG_NAME, reason=f"not JSON ({exc})") from None
-    finally:
-        source.close()
     if not isinstance(doc, dict) or "model_type" not in doc:
         raise HeaderInvalid(name=CONFIG_NAME, reason="no model_type")
     return doc
@@ -151,12 +121,6 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
     return model.eval().requires_grad_(False)
 
 
-def _blob_paths(url: str, cfg: LoaderConfig) -> list[Path]:
-    record = read_record(_record_path(url, cfg))
-    root = cfg.node_root()
-    return [root / f.path for f in record.files]
-
-
 def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
     start = time.perf_counter()
     read = prefetch(paths)
@@ -181,16 +145,17 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
         InsufficientMemory: the weights do not fit in ``free_bytes``.
         WeightsError: the weights cannot be fetched, verified or assigned.
     """
-    cfg = as_config(config)
+    cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
     marks = [time.perf_counter()]
-    size = weights_bytes(url, cfg)
+    size = weights_bytes(url, CODE_VERSION, cfg)
     check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
-    config_doc = read_config(url, cfg)
+    config_doc = _config_doc(read_beside(url, CONFIG_NAME, cfg))
     marks.append(time.perf_counter())
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
-        pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, _blob_paths(url, cfg))
+        blobs = snapshot_blobs(url, CODE_VERSION, cfg)
+        pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, blobs)
         model = build_on_meta(config_doc)  # while the pages arrive
         marks.append(time.perf_counter())
         read, read_s = pages.result()
@@ -270,17 +235,3 @@ def causal_lm_app(url: str, *, name: str = "causal-lm", **options: Any) -> ember
     """
     return ember.App([causal_lm_deployment(url, **options)], name=name, warm_pool=0)
 
-
-def __getattr__(name: str) -> Any:
-    # ``ember run ember.deployments.causal_lm:app`` serves EMBER_CAUSAL_LM_WEIGHTS; built on
-    # first access so that importing the module needs no configuration.
-    if name == "app":
-        from ember import settings
-        from ember.errors import ConfigError
-
-        url = settings.load().causal_lm_weights
-        if not url:
-            raise ConfigError("set EMBER_CAUSAL_LM_WEIGHTS to the weights URL (a folder with "
-                              "config.json and model.safetensors[.index.json]) to serve it")
-        return causal_lm_app(url)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

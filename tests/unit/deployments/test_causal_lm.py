@@ -16,7 +16,7 @@ import torch
 
 from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
 from ember.errors import InsufficientMemory
-from ember.loaders._residency import evict, prefetch, resident_bytes
+from ember.loaders.pages import evict, prefetch, resident_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
 

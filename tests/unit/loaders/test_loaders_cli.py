@@ -67,7 +67,7 @@ def test_warm_reports_errors_with_exit_code_2(
 def test_bench_prints_the_limits_and_each_recent_load_against_its_own(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ember.loaders._limits import record_load
+    from ember.loaders.limits import record_load
 
     cache = tmp_path / "cli-cache"
     record_load(cache, {"url": "file:///m/cold/", "bytes": 2_000_000_000,

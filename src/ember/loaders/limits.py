@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ember.loaders._residency import evict
+from ember.loaders._config import LoaderConfig
+from ember.loaders.pages import evict
 
 LOG_NAME = "loads.jsonl"
 _LOG_KEEP = 200
@@ -85,9 +86,22 @@ def local_limits(folder: Path, size_bytes: int = 512 << 20, workers: int = 4) ->
     return {"disk_cold_gbps": cold[0] / cold[1] / 1e9, "page_cache_gbps": warm[0] / warm[1] / 1e9}
 
 
-def regional_limit(fs: Any, path: str, size: int, *, max_bytes: int = 512 << 20,
-                   range_bytes: int = 8 << 20, workers: int = 8) -> float:
-    """Parallel ranged GETs of one regional object (its first ``max_bytes``), in GB/s."""
+def regional_limit(config: LoaderConfig) -> float | None:
+    """Ranged-GET GB/s of the regional tier's largest blob; ``None`` without a tier or blob."""
+    from ember.loaders._fetch import regional_tier
+
+    tier = regional_tier(config)
+    entries = sorted(tier.entries(), key=lambda e: e.size) if tier is not None else []
+    if tier is None or not entries:
+        return None
+    biggest = entries[-1]
+    path = f"{tier.base}/{biggest.namespace}/blobs/{biggest.sha256}"
+    return _ranged_gets(tier.fs, path, biggest.size)
+
+
+def _ranged_gets(fs: Any, path: str, size: int, *, max_bytes: int = 512 << 20,
+                 range_bytes: int = 8 << 20, workers: int = 8) -> float:
+    """Parallel ranged GETs of one object (its first ``max_bytes``), in GB/s."""
     end = min(size, max_bytes)
     jobs = [(a, min(a + range_bytes, end)) for a in range(0, end, range_bytes)]
 
