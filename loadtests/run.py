@@ -11,7 +11,8 @@ pool (the deployment's own replica, from the warm runtime, with a budget), then
 ``overload`` against ``--overload-app``, ``chaos`` (replicas SIGKILLed under load) and
 ``edge-chaos`` (edges SIGKILLed under load) against ``--chaos-app``, ``rollout`` (a
 candidate version rolled out 5 -> 100% under load) against ``--rollout-app``, and ``textgen``
-(streamed completions, TTFT and inter-token budgets) against ``--textgen-app`` (a server
+(streamed completions, TTFT and inter-token budgets) against ``--textgen-app``, and
+``coldstart-lm`` (a ladder causal LM from zero, page cache cold) against ``--lm-app`` (a server
 per app and environment, shared by scenarios that name the same), each as a headless locust
 subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it writes
 ``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
@@ -47,6 +48,7 @@ OVERLOAD_APP = "loadtests/apps.py:app"
 CHAOS_APP = "loadtests/chaos_apps.py:app"
 ROLLOUT_APP = "loadtests/rollout_apps.py:app"
 TEXTGEN_APP = "ember.deployments.textgen:app"
+LM_APP = "loadtests/lm_apps.py:app"
 SAMPLE_EVERY_S = 0.5
 
 
@@ -68,8 +70,27 @@ NO_POOL = (("EMBER_WARM_POOL", "0"),)
 OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-ms", "3000")
 
 
+def coldstart_lm(short: bool) -> Scenario:
+    """The causal LM from zero with the page cache cold: the 2 GB ladder model (the tiny one,
+    a few MB, in the short form, whose budget then only catches a hang)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import model_ladder
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    folder = model_ladder.ensure("tiny" if short else "2gb")
+    args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2", "--zero-wait-s", "120",
+            "--weights-dir", str(folder), "--budget-cold-max-ms", "120000")
+    env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
+    return Scenario("coldstart-lm", "lm_app", args, 420 if short else 600, server_env=env)
+
+
 def scenarios(short: bool) -> list[Scenario]:
-    """The eight scenarios; ``short`` keeps CI to a few users and seconds each."""
+    """The nine scenarios; ``short`` keeps CI to a few users and seconds each."""
+    return [*_scenarios(short), coldstart_lm(short)]
+
+
+def _scenarios(short: bool) -> list[Scenario]:
     if short:
         return [
             Scenario("coldstart", "app", ("-u", "4", "--run-time", "90s", "--warm-requests", "2",
@@ -270,8 +291,8 @@ def serve_and_run(target: str, group: list[Scenario], args: argparse.Namespace,
     """One server for ``group``; always stopped, whatever happens to the scenarios."""
     out = args.out
     env = group[0].server_env
-    label = "_".join([target.replace("/", "_").replace(":", "_"),
-                      *(f"{k}-{v}" for k, v in env)])
+    label = "_".join([target, *(f"{k}-{v}" for k, v in env)])
+    label = label.replace("/", "_").replace(":", "_")[-120:]
     server = Server(target, out / f"server-{label}.log", args.scaledown_s, env)
     recorder: StatusRecorder | None = None
     try:
@@ -317,6 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="app for rollout: a deployment with versions 1 and 2")
     parser.add_argument("--textgen-app", default=TEXTGEN_APP,
                         help="app for textgen: OpenAI completions over a streaming handler")
+    parser.add_argument("--lm-app", default=LM_APP,
+                        help="app for coldstart-lm: EMBER_CAUSAL_LM_WEIGHTS is set for it")
     parser.add_argument("--out", type=Path, default=HERE / "reports", help="report directory")
     parser.add_argument("--scaledown-s", type=float, default=3.0,
                         help="EMBER_SCALEDOWN_AFTER_S for the server (default 3)")

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("coldstart", "coldstart-own", "steady", "overload", "chaos", "edge-chaos",
-             "rollout", "textgen")
+             "rollout", "textgen", "coldstart-lm")
 
 
 @pytest.mark.slow

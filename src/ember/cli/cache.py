@@ -1,4 +1,4 @@
-"""``ember cache``: warm, list, verify and evict the node cache.
+"""``ember cache``: warm, list, verify and evict the node cache; measure its limits.
 
 The main ``ember`` command adds these with :func:`register`; every subcommand sets
 ``func(args) -> int`` (the exit code).
@@ -74,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     which.add_argument("--all", action="store_true", help="remove every blob")
     which.add_argument("key", nargs="?", help="sha256 (or a unique prefix of >= 8 chars)")
     evict.set_defaults(func=cmd_evict)
+    bench = sub.add_parser(
+        "bench", help="measure this node's load limits; show recent loads' GB/s beside them")
+    bench.add_argument("--size-mb", type=int, default=512,
+                       help="scratch file size for the disk and page-cache reads (MB)")
+    bench.add_argument("--loads", type=int, default=10, help="recent loads to show")
+    bench.set_defaults(func=cmd_bench)
 
 
 def _config(args: argparse.Namespace, **extra: Any) -> LoaderConfig:
@@ -181,6 +187,37 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for entry in entries:
             node.remove(entry.namespace, entry.sha256)
         print(f"removed {len(entries)} blob(s)")
+        return 0
+
+    return _guard(args, run)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``ember cache bench``: the node's limits, then each recent load against its limit."""
+
+    def run(a: argparse.Namespace) -> int:
+        from ember.loaders.limits import local_limits, path_of, recent_loads, regional_limit
+
+        config = _config(a)
+        root = config.node_root()
+        limits = local_limits(root, a.size_mb << 20)
+        regional = regional_limit(config)
+        if regional is not None:
+            limits["regional_gbps"] = regional
+        for name, value in limits.items():
+            print(f"{name:<18} {value:8.2f} GB/s")
+        against = {"page_cache": "page_cache_gbps", "disk": "disk_cold_gbps",
+                   "fill": "regional_gbps"}
+        loads = recent_loads(root, a.loads)
+        if loads:
+            print(f"\n{'load':<44} {'GB':>6} {'s':>7} {'GB/s':>6} {'path':<10} share of limit")
+        for entry in loads:
+            gbps = entry["bytes"] / max(entry["seconds"], 1e-9) / 1e9
+            path = path_of(entry)
+            limit = limits.get(against[path])
+            share = f"{gbps / limit:.2f}" if limit else "-"
+            print(f"{str(entry['url'])[-44:]:<44} {entry['bytes'] / 1e9:6.2f} "
+                  f"{entry['seconds']:7.2f} {gbps:6.2f} {path:<10} {share}")
         return 0
 
     return _guard(args, run)

@@ -42,6 +42,7 @@ facts reach logs, callers and tests::
     │   ├── ObjectChanged              the object changed between two reads
     │   ├── IntegrityError             size or checksum differs from what was expected
     │   ├── CacheFull                  no room for a blob under the cap or on disk
+    │   ├── InsufficientMemory         the weights do not fit in the node's free memory
     │   ├── WeightsNotFound (404)      no safetensors weights at the URL
     │   ├── SourceError                the origin or a cache tier could not be read
     │   ├── StateDictMismatch          weights that do not fit the model built from its config
@@ -105,6 +106,7 @@ from ember.errors._offline import (
 from ember.errors._weights import (
     CacheFull,
     HeaderInvalid,
+    InsufficientMemory,
     IntegrityError,
     ModelFilesMissing,
     ObjectChanged,
@@ -132,6 +134,7 @@ __all__ = [
     "HeaderInvalid",
     "HeadersTooLarge",
     "InputError",
+    "InsufficientMemory",
     "IntegrityError",
     "InvalidBody",
     "JSONTooDeep",

@@ -77,6 +77,16 @@ class SourceError(WeightsError):
     template: ClassVar[str] = "cannot read {url}: {detail}"
 
 
+class InsufficientMemory(WeightsError):
+    """A replica's weights do not fit in the node's free memory; refused before loading."""
+
+    template: ClassVar[str] = (
+        "{what} needs {needed_bytes} bytes of memory for its weights but the node has "
+        "{free_bytes} bytes free; the replica was not started (free memory on the node, or "
+        "place it on a larger one)"
+    )
+
+
 class UnsafePath(BadRequest):
     """A name that could resolve outside the cache root."""
 

@@ -29,6 +29,7 @@ from ember.errors import (
 )
 from ember.loaders._api import LocalWeights, load, resolve, stream
 from ember.loaders._config import LoaderConfig
+from ember.loaders._model_files import read_beside, snapshot_blobs, weights_bytes
 from ember.loaders._snapshot import (
     SnapshotLoad,
     max_snapshot_bytes_from_env,
@@ -72,8 +73,11 @@ __all__ = [
     "load",
     "max_snapshot_bytes_from_env",
     "preload_snapshot",
+    "read_beside",
     "resolve",
+    "snapshot_blobs",
     "snapshot_key",
     "snapshot_load",
     "stream",
+    "weights_bytes",
 ]

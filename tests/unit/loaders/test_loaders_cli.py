@@ -62,3 +62,23 @@ def test_warm_reports_errors_with_exit_code_2(
     bad.write_bytes(b"\x80\x04")
     assert _run("cache", "--cache-dir", str(tmp_path / "c"), "warm", bad.as_uri()) == 2
     assert "convert it to safetensors" in capsys.readouterr().err
+
+
+def test_bench_prints_the_limits_and_each_recent_load_against_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ember.loaders.limits import record_load
+
+    cache = tmp_path / "cli-cache"
+    record_load(cache, {"url": "file:///m/cold/", "bytes": 2_000_000_000,
+                        "read_bytes": 2_000_000_000, "restored": True, "seconds": 4.0})
+    record_load(cache, {"url": "file:///m/warm/", "bytes": 2_000_000_000, "read_bytes": 0,
+                        "restored": True, "seconds": 0.5})
+    assert _run("cache", "--cache-dir", str(cache), "bench", "--size-mb", "8") == 0
+    out = capsys.readouterr().out
+    assert "disk_cold_gbps" in out and "page_cache_gbps" in out
+    cold = next(line for line in out.splitlines() if "/m/cold/" in line)
+    warm = next(line for line in out.splitlines() if "/m/warm/" in line)
+    assert "0.50" in cold and " disk " in cold  # 2 GB in 4 s, held against the disk
+    assert "4.00" in warm and " page_cache " in warm
+    assert not list(cache.glob(".bench-*")), "the scratch file was left behind"

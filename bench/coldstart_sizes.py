@@ -1,0 +1,365 @@
+"""Cold starts at real model sizes: ladder models of 0.5, 2 and 6 GB, request to first answer.
+
+For each size (``bench/model_ladder.py``), through Ember's edges on a local Ray cluster, a
+``causal_lm`` deployment scaled to zero is sent one ``POST /lm`` (one forward pass) per
+trial, on four paths:
+
+1. ``disk_warm``: the node cache's blobs, every page in the page cache;
+2. ``disk_cold``: the same blobs with their pages dropped (``POSIX_FADV_DONTNEED``, checked
+   with ``mincore``) before the trial;
+3. ``regional``: the same files from an S3-protocol server on loopback (moto, O(range)
+   ranged GETs), the node cache emptied before the trial;
+4. ``second_replica``: a second deployment of the same model and cache cold-starts while
+   the first one serves: it maps the first one's page-cache pages.
+
+The same run measures the limits on the same files (cold sequential read, page-cache read,
+the S3 server's ceiling with a plain parallel ranged-GET client; ``_sizes_limits.py``) and
+the peers a user would pick, each building the same model from the same files in a worker
+that has imported torch and transformers once (``_sizes_peer.py``), Ember's own load
+(``ember``) among them. Rounds alternate Ember's cluster trial and the peers; medians.
+
+The cluster's warm-runtime workers preload transformers' Llama module (as ``ember run``
+preloads a deployment's imports), so ``weights`` is the load itself.
+
+Usage:
+    .venv/bin/python bench/coldstart_sizes.py [--short] [--sizes 0.5gb 2gb] [--trials 3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import _serving
+import _sizes_limits as lim
+import httpx
+import model_ladder
+import psutil
+
+TOKENS = [1, 306, 496, 445, 124, 289]  # under the tiny rung's vocabulary of 512
+PEERS_DISK = ("ember", "from_pretrained", "load_file", "fastsafetensors", "runai")
+PEERS_S3 = ("ember", "runai", "s3_download+from_pretrained")
+S3_OPTIONS = {"key": "testing", "secret": "testing"}
+PRELOAD = ("transformers.models.llama.modeling_llama",)
+
+
+class Peers:
+    """One peer worker process: imports once, loads on command."""
+
+    def __init__(self, endpoint: str) -> None:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+               "AWS_EC2_METADATA_DISABLED": "true",
+               "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+        script = Path(__file__).resolve().parent / "_sizes_peer.py"
+        self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.endpoint = endpoint
+        self.ready = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the peer worker died")
+        return dict(json.loads(line))
+
+    def load(self, loader: str, folder: Path, url: str = "",
+             options: dict[str, Any] | None = None) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        command = {"loader": loader, "folder": str(folder), "url": url,
+                   "endpoint": self.endpoint, "options": options}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Rung:
+    """One size's files, URLs, caches and deployments."""
+
+    def __init__(self, size: str, work: Path, endpoint: str) -> None:
+        self.size = size
+        self.folder = model_ladder.ensure(size)
+        self.files = sorted(self.folder.glob("*.safetensors"))
+        self.bytes = sum(p.stat().st_size for p in self.files)
+        tag = size.replace(".", "")
+        self.app = f"sizes-{tag}"
+        self.names = {"a": f"LM{tag}", "b": f"LM{tag}b", "r": f"LM{tag}r"}
+        self.disk_cache = work / f"node-{tag}"
+        self.reg_cache = work / f"node-{tag}-regional"
+        self.disk_opts = {"cache_dir": str(self.disk_cache), "min_free_bytes": 0}
+        self.s3_opts = {"cache_dir": str(self.reg_cache), "min_free_bytes": 0,
+                        "range_bytes": 8 << 20, "max_concurrency": 8,
+                        "storage_options": {**S3_OPTIONS,
+                                            "client_kwargs": {"endpoint_url": endpoint}}}
+        self.s3_url = lim.upload(endpoint, "ladder", size, self.folder)
+        from ember.loaders import resolve
+
+        resolve(self.folder.as_uri(), config=self.disk_opts)
+        self.blobs = sorted(p for p in self.disk_cache.glob("*/blobs/*") if p.is_file())
+
+    def build(self) -> Any:
+        import ember
+        from ember.deployments.causal_lm import causal_lm_deployment
+
+        common = {"num_cpus": _serving.REPLICA_CPUS, "scaledown_after_s": _serving.SCALEDOWN_S}
+        url = self.folder.as_uri()
+        return ember.App([
+            causal_lm_deployment(url, deployment=self.names["a"], route="/lm",
+                                 loader_options=self.disk_opts, **common),
+            causal_lm_deployment(url, deployment=self.names["b"], route="/lm-b",
+                                 loader_options=self.disk_opts, **common),
+            causal_lm_deployment(self.s3_url, deployment=self.names["r"], route="/lm-r",
+                                 loader_options=self.s3_opts, **common),
+        ], name=self.app, warm_pool=0)
+
+
+def wait_zero(rung: Rung, key: str, base: str, deadline: h.Deadline) -> None:
+    name = rung.names[key]
+    h.wait_until(lambda: _serving.replicas(rung.app, name) == 0, f"{name} at zero", deadline)
+    h.wait_until(lambda: _serving.ingress_view(base, name) == 0, f"edge: {name} at zero",
+                 deadline)
+    time.sleep(1.0)
+
+
+def post(url: str, deadline: h.Deadline) -> tuple[dict[str, Any], float, dict[str, float]]:
+    start = time.perf_counter()
+    reply = httpx.post(url, json=TOKENS, timeout=deadline.timeout(600))
+    took = time.perf_counter() - start
+    if reply.status_code != 200:
+        raise RuntimeError(f"POST {url} -> {reply.status_code}: {reply.text[:300]}")
+    return reply.json(), took, _serving.cold_header(reply)[1]
+
+
+def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dict[str, Any]:
+    """One cold request on ``path``; its anatomy, load report and memory."""
+    key = {"regional": "r", "second_replica": "b"}.get(path, "a")
+    wait_zero(rung, key, base, deadline)
+    out: dict[str, Any] = {}
+    if path == "disk_cold":
+        out["resident_after_drop_bytes"] = lim.drop(rung.blobs)
+    elif path == "disk_warm":
+        from ember.loaders.pages import prefetch
+
+        prefetch(rung.blobs)
+    elif path == "regional":
+        shutil.rmtree(rung.reg_cache, ignore_errors=True)
+    if path == "second_replica":
+        return {**out, **second_replica(rung, base, deadline)}
+    route = {"regional": "/lm-r"}.get(path, "/lm")
+    body, took, phases = post(base + route, deadline)
+    out.update(total_s=took, phases_s=phases, load=body["load"], memory=body["memory"])
+    if path == "disk_warm":
+        out["forward_s"] = post(base + route, deadline)[1]  # the same replica, warm
+    return out
+
+
+def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:
+    """B cold-starts while A serves (kept busy so that it does not scale down)."""
+    first, _, _ = post(base + "/lm", deadline)
+    stop = threading.Event()
+
+    def keep_busy() -> None:
+        while not stop.wait(0.5):
+            httpx.post(base + "/lm", json=TOKENS[:2], timeout=120)
+
+    busy = threading.Thread(target=keep_busy, daemon=True)
+    busy.start()
+    try:
+        body, took, phases = post(base + "/lm-b", deadline)
+        pss = {}
+        for label, pid in (("a", first["pid"]), ("b", body["pid"])):
+            info = psutil.Process(pid).memory_full_info()
+            pss[label] = {"rss_bytes": info.rss, "pss_bytes": info.pss}
+    finally:
+        stop.set()
+        busy.join(timeout=130)
+    return {"total_s": took, "phases_s": phases, "load": body["load"],
+            "memory": body["memory"], "both_replicas": pss}
+
+
+def peer_round(peers: Peers, rung: Rung, path: str, work: Path) -> dict[str, Any]:
+    """Every peer once on ``path``'s conditions."""
+    out: dict[str, Any] = {}
+    names = PEERS_S3 if path == "regional" else PEERS_DISK
+    for name in names:
+        options: dict[str, Any] | None = rung.disk_opts
+        url = ""
+        if path == "disk_cold":
+            lim.drop(rung.files + rung.blobs)
+        elif path == "disk_warm":
+            lim.pagecache_bandwidth(rung.files + rung.blobs)
+        elif path == "regional":
+            scratch = work / f"peer-cache-{rung.size}"
+            shutil.rmtree(scratch, ignore_errors=True)
+            options = {**rung.s3_opts, "cache_dir": str(scratch)}
+            url = rung.s3_url
+        out[name] = peers.load(name, rung.folder, url=url, options=options)
+        print(f"    peer {name:<28} {out[name]}", flush=True)
+    return out
+
+
+def limits(rung: Rung, endpoint: str) -> dict[str, Any]:
+    keys = [(f"{rung.size}/{p.name}", p.stat().st_size) for p in rung.files]
+    return {"disk_cold": lim.disk_bandwidth(rung.blobs),
+            "page_cache": lim.pagecache_bandwidth(rung.blobs),
+            "s3": lim.s3_ceiling(endpoint, "ladder", keys)}
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def _spread(values: list[float]) -> list[float] | None:
+    return [round(min(values), 4), round(max(values), 4)] if values else None
+
+
+def summarise(rung: Rung, path: str, trials: list[dict[str, Any]], peer_rounds: list[Any],
+              lims: dict[str, Any]) -> dict[str, Any]:
+    """One row: medians, the limit for ``path``, peers, ratios against the targets."""
+    totals = [t["total_s"] for t in trials]
+    weights = [t["phases_s"].get("weights", 0.0) for t in trials]
+    pages = [t["load"]["phases_s"].get("pages_read", 0.0) for t in trials]
+    read = [t["load"]["read_bytes"] for t in trials]
+    anatomy = {k: _median([t["phases_s"].get(k, 0.0) for t in trials])
+               for k in ("queue", "start", "import", "weights", "warmup")}
+    anatomy["load"] = {k: _median([t["load"]["phases_s"].get(k, 0.0) for t in trials])
+                       for k in trials[0]["load"]["phases_s"]} if trials else {}
+    peers = {n: _median([r[n]["seconds"] for r in peer_rounds if "seconds" in r.get(n, {})])
+             for n in (peer_rounds[0] if peer_rounds else {})}
+    errors = {n: r[n]["error"] for r in peer_rounds for n in r if "error" in r[n]}
+    gbps = {"disk_cold": lims["disk_cold"]["gbps"], "regional": lims["s3"]["gbps"],
+            "disk_warm": lims["page_cache"]["gbps"],
+            "second_replica": lims["page_cache"]["gbps"]}[path]
+    limit_s = rung.bytes / (gbps * 1e9)
+    forward = _median([t["forward_s"] for t in trials if "forward_s" in t])
+    if path == "disk_warm" and forward is not None:
+        limit_s += forward
+    row: dict[str, Any] = {
+        "size": rung.size, "size_gb": round(rung.bytes / 1e9, 3), "path": path,
+        "bytes": rung.bytes, "total_s": _median(totals), "total_spread_s": _spread(totals),
+        "weights_s": _median(weights), "weights_gbps": round(rung.bytes / _median(weights) / 1e9,
+                                                             3) if _median(weights) else None,
+        "pages_read_s": _median(pages), "read_bytes": _median([float(r) for r in read]),
+        "limit_s": round(limit_s, 4), "limit_gbps": gbps, "forward_s": forward,
+        "anatomy_s": anatomy, "peers": peers, "peer_errors": errors,
+        "trials": trials, "peer_rounds": peer_rounds,
+    }
+    row["ratios"] = ratios(row, path)
+    return row
+
+
+def ratios(row: dict[str, Any], path: str) -> dict[str, Any]:
+    """Each target as a ratio (>= 1 meets it except where the name says otherwise)."""
+    out: dict[str, Any] = {}
+    peers = {k: v for k, v in row["peers"].items() if v and k != "ember"}
+    ember = row["peers"].get("ember")
+    if peers and ember:
+        best = min(peers.values())
+        out["best_peer"] = min(peers, key=lambda k: peers[k])
+        out["best_peer_over_ember_load"] = round(best / ember, 3)  # target >= 1.0
+        fp = peers.get("from_pretrained") or peers.get("s3_download+from_pretrained")
+        if fp:
+            out["from_pretrained_over_ember_load"] = round(fp / ember, 3)  # target >= 5
+    if path == "disk_cold" and row["weights_s"]:
+        out["bandwidth_share_weights_phase"] = round(row["limit_s"] / row["weights_s"], 3)
+        if row["pages_read_s"]:
+            out["bandwidth_share_page_reads"] = round(row["limit_s"] / row["pages_read_s"], 3)
+    if path == "regional" and row["weights_s"]:
+        out["ceiling_share_weights_phase"] = round(row["limit_s"] / row["weights_s"], 3)
+    if path == "disk_warm" and row["total_s"]:
+        out["total_over_limit"] = round(row["total_s"] / row["limit_s"], 3)  # target <= 1.3
+    return out
+
+
+def run_size(rung: Rung, base: str, peers: Peers, trials: int, work: Path,
+             deadline: h.Deadline, endpoint: str) -> list[dict[str, Any]]:
+    print(f"{rung.size}: {rung.bytes / 1e9:.2f} GB in {len(rung.files)} shards", flush=True)
+    lims = limits(rung, endpoint)
+    print(f"  limits: disk {lims['disk_cold']['gbps']} GB/s, page cache "
+          f"{lims['page_cache']['gbps']} GB/s, S3 {lims['s3']['gbps']} GB/s", flush=True)
+    _serving.deploy_ember(rung.build(), deadline)
+    post(base + "/lm", deadline)  # the first replica writes the node's snapshot record
+    paths = ("disk_cold", "disk_warm", "regional", "second_replica")
+    found: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+    peer_found: dict[str, list[Any]] = {p: [] for p in paths}
+    for trial in range(trials):
+        for path in paths:
+            got = cluster_trial(rung, path, base, deadline)
+            found[path].append(got)
+            print(f"  [{trial}] {path:<15} total {got['total_s']:.2f}s "
+                  f"phases {got['phases_s']} load {got['load']['phases_s']}", flush=True)
+            if path != "second_replica":
+                peer_found[path].append(peer_round(peers, rung, path, work))
+    from ray import serve
+
+    serve.delete(rung.app)
+    rows = [summarise(rung, p, found[p], peer_found[p], lims) for p in paths]
+    rows[-1]["peers"] = {"note": "no peer shares pages between processes; see disk_warm"}
+    for row in rows:
+        row["limits"] = lims
+    return rows
+
+
+def main() -> int:
+    parser = h.parser(__doc__, deadline_s=3600)
+    parser.add_argument("--sizes", nargs="+", help="ladder sizes (0.5gb 2gb 6gb; short 0.5gb 2gb)")
+    parser.add_argument("--trials", type=int, help="rounds per path (3; short 1)")
+    args = h.pick(parser.parse_args(), sizes=(["0.5gb", "2gb", "6gb"], ["0.5gb", "2gb"]),
+                  trials=(3, 1))
+    deadline = h.install_deadline(args.deadline_s)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    server, endpoint = lim.start_s3()
+    work = Path(tempfile.mkdtemp(prefix="ember-sizes-"))
+    peers: Peers | None = None
+    try:
+        peers = Peers(endpoint)
+        base = _serving.start_serve(h.free_port(), preload=PRELOAD)
+        for size in args.sizes:
+            def one(size: str = size) -> None:
+                rung = Rung(size, work, endpoint)
+                assert peers is not None
+                rows.extend(run_size(rung, base, peers, args.trials, work, deadline, endpoint))
+                shutil.rmtree(rung.disk_cache, ignore_errors=True)
+                shutil.rmtree(rung.reg_cache, ignore_errors=True)
+            h.section(size, errors, one)
+    except h.DeadlineExceeded as exc:
+        errors.append(f"DeadlineExceeded: {exc}")
+    finally:
+        h.clear_deadline()
+        if peers is not None:
+            peers.close()
+        _serving.shutdown()
+        server.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    h.write_results("coldstart_sizes", {
+        "complete": not errors, "errors": errors, "rows": rows,
+        "peer_worker": peers.ready if peers else None,
+        "s3_server": "moto (loopback, own process, O(range) ranged GETs); no faster S3 server "
+                     "installs here from PyPI, npm or Debian (MinIO, SeaweedFS, Garage and "
+                     "versitygw are not packaged there; s3rver is slower than moto)",
+        "config": {"sizes": args.sizes, "trials": args.trials, "tokens": len(TOKENS),
+                   "preload": PRELOAD, "replica_cpus": _serving.REPLICA_CPUS},
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }, short=args.short)
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Any ``transformers`` causal LM stored as safetensors, built without a second copy.
+
+``causal_lm_app(url)`` serves the checkpoint at ``url`` (a folder with ``config.json`` and
+``model.safetensors`` or a sharded ``model.safetensors.index.json``; ``file://``, ``s3://``
+and the other ``ember.loaders`` schemes) at ``POST /lm``: a JSON list of token ids in, one
+forward pass, the next token out (greedy), with the replica's load report.
+
+A replica loads in this order:
+
+1. the weights' bytes are compared with the node's free memory, and a replica that cannot
+   fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before anything is
+   read;
+2. the node's snapshot of the weights is mapped (or the node cache is filled first, from the
+   regional tier or the origin, shard by shard in the order the model uses them);
+3. a thread reads the pages of the mapped blobs that are not in the page cache with large
+   parallel reads, while the main thread builds the model on the ``meta`` device (no
+   parameter memory at all);
+4. the mapped tensors become the parameters (``load_state_dict(assign=True)``): no copy, so
+   a replica's memory is the page cache's pages, shared by every replica of the model on
+   the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+import torch
+
+# At import, not in setup(): a warm-runtime worker preloads the deployment's module, so a
+# replica finds transformers imported (seconds of CPU on a busy node) before it starts.
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import ember
+from ember import loaders
+from ember.errors import HeaderInvalid, InsufficientMemory
+from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
+from ember.loaders.limits import record_load
+from ember.loaders.pages import prefetch
+
+#: Part of the snapshot key: a new construction path never restores an old snapshot.
+CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class LoadReport:
+    """How one replica's model was loaded: bytes, where they came from, seconds per phase."""
+
+    weights_bytes: int
+    read_bytes: int = 0  # bytes the prefetch read from storage (0 when all were resident)
+    restored: bool = False  # mapped from the node's snapshot without touching the origin
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_fits(needed_bytes: int, free_bytes: int, *, what: str) -> None:
+    """Refuse a load whose weights do not fit in the node's free memory.
+
+    Raises:
+        InsufficientMemory: ``needed_bytes`` is over ``free_bytes`` (503).
+
+    Example:
+        >>> check_fits(1 << 30, 4 << 30, what="llama")
+    """
+    if needed_bytes > free_bytes:
+        raise InsufficientMemory(what=what, needed_bytes=needed_bytes, free_bytes=free_bytes)
+
+
+def free_memory_bytes() -> int:
+    """Memory the node can give a new replica now (``MemAvailable``: free plus reclaimable)."""
+    return int(psutil.virtual_memory().available)
+
+
+def _config_doc(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HeaderInvalid(name=CONFIG_NAME, reason=f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or "model_type" not in doc:
+        raise HeaderInvalid(name=CONFIG_NAME, reason="no model_type")
+    return doc
+
+
+def build_on_meta(config_doc: dict[str, Any]) -> torch.nn.Module:
+    """The model ``config_doc`` describes, built on the ``meta`` device (no memory)."""
+    config = AutoConfig.for_model(**config_doc)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=torch.bfloat16)
+    return model  # type: ignore[no-any-return]
+
+
+def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Make the mapped tensors the model's parameters (no copy); rebuild derived buffers.
+
+    Raises:
+        HeaderInvalid: names or shapes do not match the model.
+    """
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise HeaderInvalid(name="state dict", reason=str(exc)[:500]) from None
+    config = getattr(model, "config", None)
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            # Non-persistent buffers (rotary frequencies) are not in the checkpoint: the
+            # module computes them again on the CPU.
+            device = next(model.parameters()).device
+            model.set_submodule(name, type(module)(config=config).to(device))
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # type: ignore[operator]
+    return model.eval().requires_grad_(False)
+
+
+def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
+    start = time.perf_counter()
+    read = prefetch(paths)
+    return read, time.perf_counter() - start
+
+
+def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,
+                   device: str = "cpu") -> tuple[torch.nn.Module, LoadReport]:
+    """Load the causal LM at ``url`` as described in the module docstring.
+
+    Args:
+        url: the weights URL (a folder, or its index or safetensors file).
+        config: a :class:`~ember.loaders.LoaderConfig` or a mapping of its fields.
+        free_bytes: the node's free memory (``None``: measured now).
+        device: ``"cpu"`` (views on the page cache) or a CUDA device: each tensor is copied
+            once through the loaders' pinned staging buffer, in chunks (unmeasured here).
+
+    Returns:
+        The model (parameters are views on the node cache's pages) and its load report.
+
+    Raises:
+        InsufficientMemory: the weights do not fit in ``free_bytes``.
+        WeightsError: the weights cannot be fetched, verified or assigned.
+    """
+    cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
+    marks = [time.perf_counter()]
+    size = weights_bytes(url, CODE_VERSION, cfg)
+    check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
+    config_doc = _config_doc(read_beside(url, CONFIG_NAME, cfg))
+    marks.append(time.perf_counter())
+    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
+    marks.append(time.perf_counter())
+    with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
+        blobs = snapshot_blobs(url, CODE_VERSION, cfg)
+        pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, blobs)
+        model = build_on_meta(config_doc)  # while the pages arrive
+        marks.append(time.perf_counter())
+        read, read_s = pages.result()
+        marks.append(time.perf_counter())
+    model = assign_weights(model, got.tensors)
+    marks.append(time.perf_counter())
+    names = ("check", "map", "construct", "pages_wait", "assign")
+    phases = {n: round(b - a, 4) for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
+    phases["total"] = round(marks[-1] - marks[0], 4)
+    phases["pages_read"] = round(read_s, 4)  # the prefetch's own time (overlaps construct)
+    report = LoadReport(size, read, got.restored, phases)
+    record_load(cfg.node_root(), {"url": url, "bytes": size, "read_bytes": read,
+                                  "restored": got.restored, "seconds": phases["total"]})
+    return model, report
+
+
+def next_token(model: torch.nn.Module, token_ids: list[int]) -> int:
+    """One forward pass over ``token_ids``; the most likely next token."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits
+    return int(logits[0, -1].argmax())
+
+
+def memory_bytes() -> dict[str, int]:
+    """This process's resident and proportional set sizes (PSS splits shared pages)."""
+    info = psutil.Process().memory_full_info()
+    return {"rss_bytes": int(info.rss), "pss_bytes": int(getattr(info, "pss", info.rss))}
+
+
+class CausalLM:
+    """One forward pass per request over the model at :attr:`weights_url`."""
+
+    weights_url: ClassVar[str] = ""
+    loader_options: ClassVar[dict[str, Any]] = {}
+
+    def setup(self) -> None:
+        self.rss_before_bytes = memory_bytes()["rss_bytes"]
+        self.model, self.report = load_causal_lm(self.weights_url, config=self.loader_options)
+
+    def warmup(self) -> None:
+        next_token(self.model, [1, 2, 3, 4])
+
+    def __call__(self, token_ids: list[int]) -> dict[str, Any]:
+        token = next_token(self.model, token_ids)
+        memory = {**memory_bytes(), "rss_before_load_bytes": self.rss_before_bytes}
+        return {"next_token": token, "load": self.report.as_dict(), "memory": memory,
+                "pid": os.getpid()}
+
+
+def causal_lm_deployment(url: str, *, deployment: str = "CausalLM", route: str = "/lm",
+                         loader_options: dict[str, Any] | None = None,
+                         **options: Any) -> type:
+    """A deployment class serving the causal LM at ``url`` on ``POST route``.
+
+    Args:
+        url: the weights URL.
+        deployment: the deployment's name.
+        route: its route.
+        loader_options: :class:`~ember.loaders.LoaderConfig` fields for the replicas.
+        **options: ``@ember.deployment`` options (defaults: scale to zero, one CPU).
+    """
+    members = {"weights_url": url, "loader_options": dict(loader_options or {}),
+               "__module__": __name__, "__call__": CausalLM.__call__}
+    cls = type(deployment, (CausalLM,), members)
+    defaults: dict[str, Any] = {"name": deployment, "route": route, "warm_floor": 0,
+                                "max_replicas": 1, "num_cpus": 1, "request_timeout_s": 600}
+    decorated: type = ember.deployment(**{**defaults, **options})(cls)
+    return decorated
+
+
+def causal_lm_app(url: str, *, name: str = "causal-lm", **options: Any) -> ember.App:
+    """An app serving the causal LM at ``url`` on ``POST /lm`` (options as for
+    :func:`causal_lm_deployment`).
+
+    Example:
+        >>> app = causal_lm_app("file:///models/llama-1b/")  # doctest: +SKIP
+    """
+    return ember.App([causal_lm_deployment(url, **options)], name=name, warm_pool=0)
+

@@ -1,0 +1,130 @@
+"""The causal-LM deployment's load: refused when it cannot fit, built on meta with the
+mapped tensors assigned (no copy), and the page-cache residency it relies on."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
+from ember.errors import InsufficientMemory
+from ember.loaders.pages import evict, prefetch, resident_bytes
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def ladder() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        yield importlib.import_module("model_ladder")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def tiny(ladder: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder: Path = ladder.write_checkpoint(ladder.LADDER["tiny"],
+                                           tmp_path_factory.mktemp("ladder") / "tiny")
+    return folder
+
+
+def test_a_replica_that_cannot_fit_is_refused_with_503_and_the_bytes() -> None:
+    with pytest.raises(InsufficientMemory) as caught:
+        check_fits(6_000_000_000, 1_500_000_000, what="llama-6gb")
+    assert caught.value.status_code == 503
+    message = str(caught.value)
+    assert "6000000000" in message and "1500000000" in message and "llama-6gb" in message
+    check_fits(1_500_000_000, 1_500_000_000, what="fits exactly")
+
+
+def test_the_refusal_comes_before_anything_is_read(tiny: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "node"
+    with pytest.raises(InsufficientMemory) as caught:
+        load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)}, free_bytes=1000)
+    assert caught.value.fields["needed_bytes"] > 1000
+    assert not list(cache.glob("*/blobs/*")), "weights were fetched before the refusal"
+    assert not list(cache.glob("snapshots/*.json"))
+
+
+def test_parameters_are_the_mapped_blobs_and_answer_like_from_pretrained(
+    tiny: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cache = tmp_path / "node"
+    model, report = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)})
+    blobs = {p.stat().st_size for p in cache.glob("*/blobs/*")}
+    for name, tensor in model.state_dict().items():
+        assert not tensor.is_meta, name
+        # A view on a blob's mapping, not storage of its own: nothing was copied.
+        assert tensor.untyped_storage().nbytes() in blobs, name
+    assert report.weights_bytes == sum(blobs)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny), local_files_only=True,
+                                                     dtype=torch.bfloat16)
+    for ids in ([1, 2, 3], [7, 300, 41, 5]):
+        assert next_token(model, ids) == next_token(reference, ids)
+    _again, second = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)})
+    assert second.restored and second.read_bytes == 0
+
+
+def test_prefetch_reads_only_what_is_not_resident(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (8 << 20))
+    evict(path)
+    assert resident_bytes(path) == 0
+    assert prefetch([path], chunk_bytes=1 << 20) == 8 << 20
+    assert resident_bytes(path) == 8 << 20
+    assert prefetch([path]) == 0
+
+
+NO_WASTE = """
+import json, sys
+import transformers.models.llama.modeling_llama  # the libraries, before the baseline
+from ember.deployments.causal_lm import load_causal_lm, memory_bytes, next_token
+before = memory_bytes()["rss_bytes"]
+model, report = load_causal_lm(sys.argv[1], config={"cache_dir": sys.argv[2]})
+next_token(model, [1, 2, 3])
+print(json.dumps({"before": before, **memory_bytes(), "weights": report.weights_bytes}),
+      flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_half_a_gigabyte_model_costs_its_weights_once_and_two_replicas_share_them(
+    ladder: ModuleType, tmp_path: Path
+) -> None:
+    """The 0.5 GB rung (the smallest where a second copy would stand out of the noise of
+    the allocator): RSS growth at most 1.1x the weights, and two replicas' PSS split them."""
+    import json
+
+    folder = ladder.ensure("0.5gb")
+    cache = str(tmp_path / "node")
+    args = [sys.executable, "-c", textwrap.dedent(NO_WASTE), folder.as_uri(), cache]
+    first = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and second.stdout is not None
+        a = json.loads(first.stdout.readline())
+        b = json.loads(second.stdout.readline())
+        for got in (a, b):
+            assert got["rss_bytes"] - got["before"] <= 1.1 * got["weights"], got
+        import psutil
+
+        pss = [psutil.Process(p.pid).memory_full_info().pss for p in (first, second)]
+        # Each pays its libraries (``before``) and about half of the shared weights.
+        for got, paid in zip((a, b), pss, strict=True):
+            assert paid - got["before"] <= 0.75 * got["weights"], (paid, got)
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
