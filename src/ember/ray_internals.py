@@ -56,6 +56,9 @@ fresh_push_at_zero     ``RouterMetricsManager.should_send_scaled_     degrade: c
                        autoscaling_metrics_point``                    metrics interval
 dashboard_address      the key under which Ray stores its dashboard's degrade: status
                        address (``ray_constants.DASHBOARD_ADDRESS``)  omits the dashboard
+driver_signal_handlers ``set_sigterm_handler`` and ``CoreWorker``,     degrade: a signal
+                       swapped during ``ray.init`` so SIGTERM/SIGINT  during ray.init
+                       keep ``ember run``'s drain handlers            meets Ray's handler
 =====================  =============================================  ====================
 
 Public APIs replace what they can: the raylet's address (``ray.nodes()``), the job id
@@ -65,6 +68,7 @@ process (a child of this process named ``raylet``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -264,6 +268,14 @@ def _check_dashboard_address() -> str | None:
         "ray._private.ray_constants", "KV_NAMESPACE_DASHBOARD")
 
 
+def _check_driver_signal_handlers() -> str | None:
+    found = _missing("ray._private.utils", "set_sigterm_handler") or _missing(
+        "ray._raylet", "CoreWorker")
+    if found is None and "set_sigterm_handler" not in _source("ray._private.worker", "init"):
+        return "ray.init no longer sets its SIGTERM handler through set_sigterm_handler"
+    return found
+
+
 INTERNALS = (
     Internal("loopback_node_ip", "refuse", _check_loopback_node_ip),
     Internal("init_node_ip", "refuse", _check_init_node_ip),
@@ -277,6 +289,7 @@ INTERNALS = (
     Internal("router_view", "degrade", _check_router_view),
     Internal("fresh_push_at_zero", "degrade", _check_fresh_push_at_zero),
     Internal("dashboard_address", "degrade", _check_dashboard_address),
+    Internal("driver_signal_handlers", "degrade", _check_driver_signal_handlers),
 )
 _BY_NAME = {internal.name: internal for internal in INTERNALS}
 
@@ -530,3 +543,31 @@ def kv_list(prefix: str | bytes, *, namespace: str) -> Iterator[bytes]:
     from ray.experimental import internal_kv
 
     yield from internal_kv._internal_kv_list(prefix, namespace=namespace)
+
+
+@contextlib.contextmanager
+def driver_keeps_signal_handlers(restore: Callable[[], None]) -> Iterator[None]:
+    """Around ``ray.init`` in the main thread: skip Ray's ``sys.exit`` SIGTERM handler, and call
+    ``restore`` the moment the core worker is built (it installs Abseil's handler, which prints a
+    stack and aborts). Without the part (Ray changed), ``ray.init`` runs as Ray has it."""
+    if not available("driver_signal_handlers"):
+        yield
+        return
+    import ray._private.utils as ray_utils
+    import ray._raylet
+
+    raylet: Any = ray._raylet  # a compiled module: no types to check against
+    core_worker, set_handler = raylet.CoreWorker, ray_utils.set_sigterm_handler
+
+    def core_worker_then_restore(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return core_worker(*args, **kwargs)
+        finally:
+            restore()
+
+    ray_utils.set_sigterm_handler = lambda _handler: None
+    raylet.CoreWorker = core_worker_then_restore
+    try:
+        yield
+    finally:
+        raylet.CoreWorker, ray_utils.set_sigterm_handler = core_worker, set_handler

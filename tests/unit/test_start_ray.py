@@ -9,6 +9,7 @@ the clusters themselves are the integration tests'.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +24,11 @@ def init_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(runtime, "use_loopback_node_ip", lambda: None)
+    # No cluster starts here, so there is no address to verify after ray.init.
+    monkeypatch.setattr(runtime, "verify_loopback", lambda *_: None)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: SimpleNamespace(gcs_address="127.0.0.1:1"))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     monkeypatch.setattr(os, "environ", dict(os.environ))  # start_ray sets worker variables
     return calls
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ember import ray_internals
 from ember.edge.drain import (
     DRAINING,
     NAMESPACE,
@@ -49,30 +50,24 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 def set_phase(app: str, phase: str) -> None:
     """Publish ``phase`` to the edges of ``app``; a new start also forgets old drain reports."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(phase_key(app), phase.encode(), overwrite=True,
-                                 namespace=NAMESPACE)
+    ray_internals.kv_put(phase_key(app), phase.encode(),
+                           namespace=NAMESPACE)
     if phase != DRAINING:
-        for key in internal_kv._internal_kv_list(report_prefix(app), namespace=NAMESPACE):
-            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        for key in ray_internals.kv_list(report_prefix(app), namespace=NAMESPACE):
+            ray_internals.kv_delete(key, namespace=NAMESPACE)
 
 
 def clear_phase(app: str) -> None:
     """Forget ``app``'s phase (once it is shut down, on a cluster that lives on)."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_del(phase_key(app), namespace=NAMESPACE)
+    ray_internals.kv_delete(phase_key(app), namespace=NAMESPACE)
 
 
 def drain_reports(app: str) -> dict[str, Any]:
     """Each edge's last drain report (``in_flight``), by edge id."""
-    from ray.experimental import internal_kv
-
     reports: dict[str, Any] = {}
     prefix = report_prefix(app)
-    for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):
-        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+    for key in ray_internals.kv_list(prefix, namespace=NAMESPACE):
+        raw = ray_internals.kv_get(key, namespace=NAMESPACE)
         with contextlib.suppress(ValueError, TypeError):
             reports[key.decode()[len(prefix):]] = json.loads(raw or b"")
     return reports
@@ -98,32 +93,15 @@ def drain(app: str, *, edges: int, timeout_s: float,
 @contextlib.contextmanager
 def ray_init_keeps_handlers() -> Iterator[None]:
     """Around ``ray.init``: keep this process's SIGTERM and SIGINT handlers (module docstring)."""
-    import ray._private.utils as ray_utils
-    import ray._raylet
-
-    ray_raylet: Any = ray._raylet  # a compiled module: no types to check against
-
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread has signal handlers to keep
         return
     handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    core_worker = ray_raylet.CoreWorker
-
-    def core_worker_then_handlers(*args: Any, **kwargs: Any) -> Any:
+    with ray_internals.driver_keeps_signal_handlers(lambda: _restore(handlers)):
         try:
-            return core_worker(*args, **kwargs)
+            yield
         finally:
-            _restore(handlers)  # replaces Abseil's handler the moment it returns
-
-    set_sigterm_handler = ray_utils.set_sigterm_handler
-    ray_utils.set_sigterm_handler = lambda _handler: None
-    ray_raylet.CoreWorker = core_worker_then_handlers
-    try:
-        yield
-    finally:
-        ray_raylet.CoreWorker = core_worker
-        ray_utils.set_sigterm_handler = set_sigterm_handler
-        _restore(handlers)
+            _restore(handlers)
 
 
 def _restore(handlers: dict[signal.Signals, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ember import ray_internals
 from ember.edge._asgi import error_response
 from ember.errors import ShuttingDown
 
@@ -69,14 +70,12 @@ class DrainGate:
             await asyncio.sleep(WATCH_PERIOD_S)
 
     def _sync(self, app: str, edge: str) -> None:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(phase_key(app), namespace=NAMESPACE)
+        raw = ray_internals.kv_get(phase_key(app), namespace=NAMESPACE)
         self.phase = raw.decode() if raw else SERVING
         if self.draining:
             report = json.dumps({"in_flight": self.in_flight, "at": time.time()}).encode()
-            internal_kv._internal_kv_put(report_prefix(app) + edge, report, overwrite=True,
-                                         namespace=NAMESPACE)
+            ray_internals.kv_put(report_prefix(app) + edge, report,
+                                 namespace=NAMESPACE)
 
 
 class DrainMiddleware:
