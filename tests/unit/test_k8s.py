@@ -57,7 +57,7 @@ def test_the_schema_is_a_valid_json_schema() -> None:
 def test_the_flagship_manifest_printed_by_the_cli_validates(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s", "--image", "registry.example/ember:1"]) == 0
-    manifest = yaml.safe_load(capsys.readouterr().out)
+    manifest = list(yaml.safe_load_all(capsys.readouterr().out))[-1]
     validate(manifest)
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     assert manifest["metadata"]["name"] == "embeddings"
@@ -69,11 +69,12 @@ def test_the_flagship_manifest_printed_by_the_cli_validates(
 
 def test_json_output_is_the_same_manifest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s"]) == 0
-    from_yaml = yaml.safe_load(capsys.readouterr().out)
+    from_yaml = list(yaml.safe_load_all(capsys.readouterr().out))
     assert main(["deploy", FLAGSHIP, "--k8s", "--json"]) == 0
     from_json = json.loads(capsys.readouterr().out)
-    validate(from_json)
-    assert from_json == from_yaml
+    assert from_json["kind"] == "List"
+    validate(from_json["items"][-1])
+    assert from_json["items"] == from_yaml
 
 
 def test_deploy_without_a_target_platform_says_what_to_add(
@@ -201,3 +202,41 @@ def test_a_broken_manifest_fails_validation(breaks: Any) -> None:
     breaks(broken)
     with pytest.raises(jsonschema.ValidationError):
         validate(broken)
+
+
+def test_the_gcs_keeps_its_state_in_the_redis_the_manifest_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", FLAGSHIP, "--k8s", "--namespace", "serving"]) == 0
+    *redis, service = yaml.safe_load_all(capsys.readouterr().out)
+    validate(service)
+    ft = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    by_kind = {o["kind"]: o for o in redis}
+    assert set(by_kind) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    assert all(o["metadata"]["namespace"] == "serving" for o in redis)
+    # The RayService points at the Service the manifest makes, on the port it serves.
+    host, port = ft["redisAddress"].split(":")
+    assert host == by_kind["Service"]["metadata"]["name"] == "embeddings-redis"
+    assert int(port) == by_kind["Service"]["spec"]["ports"][0]["port"]
+    # One password for both sides, from the Secret the operator creates; never inline.
+    secret = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    pod = by_kind["Deployment"]["spec"]["template"]["spec"]
+    redis_env = pod["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert secret == redis_env == {"name": "embeddings-redis", "key": "password"}
+    assert "$REDIS_PASSWORD" in pod["containers"][0]["command"][-1]
+    # Redis writes every change to an append-only file on a volume that outlives its pod.
+    assert "--appendonly yes" in pod["containers"][0]["command"][-1]
+    claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert claim == by_kind["PersistentVolumeClaim"]["metadata"]["name"]
+    selector = by_kind["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert by_kind["Service"]["spec"]["selector"] == selector
+    assert by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"] == selector
+
+
+def test_an_existing_redis_is_named_and_none_is_made(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", FLAGSHIP, "--k8s", "--redis-address", "redis.infra:6380"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["RayService"]
+    validate(docs[0])
+    ft = docs[0]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"] == "redis.infra:6380"

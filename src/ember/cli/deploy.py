@@ -1,4 +1,5 @@
-"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app.
+"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app, with the
+Redis its GCS keeps its state in (``--redis-address`` names an existing one instead).
 
 The manifest is built by ``platform/k8s.py`` from the app's deployments and this process's
 ``EMBER_*`` settings; apply it with ``kubectl apply -f -``. The app is imported here only to
@@ -34,9 +35,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(str(exc)) from None
-    manifest = k8s.rayservice(app, args.target, shape, environ=os.environ,
-                              ray_version=metadata.version("ray"))
-    print(json.dumps(manifest, indent=2) if args.json else k8s.to_yaml(manifest), end="")
+    objects = k8s.manifests(app, args.target, shape, environ=os.environ,
+                            ray_version=metadata.version("ray"),
+                            redis_address=args.redis_address)
+    listed = {"apiVersion": "v1", "kind": "List", "items": objects}
+    print(json.dumps(listed, indent=2) if args.json else k8s.to_yaml(*objects), end="")
     if args.json:
         print()
     return 0
@@ -65,4 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="GPUs of each pod of the GPU group, made when a deployment needs one")
     deploy.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
     deploy.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    deploy.add_argument("--redis-address", default=None, metavar="HOST:PORT",
+                        help="an existing Redis for the GCS's fault tolerance (default: the "
+                        "manifest runs one)")
     deploy.set_defaults(func=cmd_deploy)

@@ -20,6 +20,7 @@ import httpx
 from ember import settings
 from ember.errors import ConfigError
 from ember.platform import capacity
+from ember.platform.control.store import default_state_dir
 from ember.platform.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.platform.targets import load_app
 
@@ -30,7 +31,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     app = load_app(args.target)
     stop = threading.Event()
     try:
-        url = runtime.serve_app(app, host=args.host, port=args.port)
+        url = runtime.serve_app(app, host=args.host, port=args.port,
+                                state_dir=args.state_dir or default_state_dir(app.name))
         # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -112,6 +114,8 @@ def _rollout_note(row: dict[str, Any]) -> str:
     text = f"rollout {row['group']} v{r['from']} -> v{row['version']}: {r['state']}"
     if r["state"] == "running":
         text += f", step {r['step']}/{r['steps']} ({r['share']}%), {r['phase']}"
+        if r.get("resumed"):
+            text += ", resumed after a restart (this step started again)"
     return f"{text} ({r['reason']})" if r.get("reason") else text
 
 
@@ -272,6 +276,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("target", help="module:app or path/to/file.py:app")
     run.add_argument("--host", default=DEFAULT_HOST)
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
+    run.add_argument("--state-dir", type=Path, default=None,
+                     help="where traffic, rollouts, shadows and leases are kept across "
+                     "restarts (default: ~/.local/share/ember/<app>)")
     run.set_defaults(func=cmd_run)
     url = settings.load().url or f"http://{DEFAULT_HOST}:{default_port()}"
     status = sub.add_parser("status", help="replicas, load and cold starts per deployment")

@@ -21,7 +21,7 @@ from ember import settings
 from ember.loaders import snapshot_key
 from ember.platform.app import App
 from ember.platform.config import serve_logging, to_ray_options
-from ember.platform.control import snapshot_placement, warm_runtime
+from ember.platform.control import snapshot_placement, store, warm_runtime
 from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.platform.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.platform.control.replica import replica_class
@@ -214,8 +214,14 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     return address is None
 
 
-def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> str:
+def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
+              state_dir: Path | None = None) -> str:
     """Deploy ``app`` and return its base URL; returns once the app is running.
+
+    Args:
+        state_dir: Where the operator's settings live when this call starts a local
+            cluster (``control/store.py``); when it joins a cluster they live in the
+            cluster's GCS.
 
     Example:
         >>> url = serve_app(my_app)            # doctest: +SKIP
@@ -224,6 +230,8 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) ->
     global _refiller
     started_here = start_ray(preload=app_modules(app))
     port = default_port() if port is None else port
+    # Before anything of the app starts: every process reads it once.
+    store.announce(app.name, state_dir if started_here else None)
     # Ember's edges take the place of Serve's HTTP proxy (see http/edge.py).
     serve.start(proxy_location="Disabled")
     serve.run(build_application(app, host=host, port=port), name=app.name, route_prefix=None,
