@@ -13,16 +13,14 @@ import importlib.util
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from support import free_port
+from support import Run, free_port, tail
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBER = Path(sys.executable).with_name("ember")
@@ -34,47 +32,9 @@ def _weights() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model" / "model.safetensors"
 
 
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
-
-
-class Run:
-    """``ember run`` of the flagship as a child process (own session), logged to a file."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(EMBER), "run", "ember.deployments.embeddings:app"], cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{_tail(self.log)}")
-            if "Press Ctrl-C" in self.log.read_text(errors="replace"):
-                return
-            time.sleep(0.5)
-        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{_tail(self.log)}")
-
-    def stop(self, timeout_s: float = 120) -> int:
-        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n"
-                            f"{_tail(self.log)}")
-        return self.proc.returncode
-
-
 def _embed(url: str, log: Path) -> list[float]:
     reply = httpx.post(f"{url}/embed", json=["hello"], timeout=150)
-    assert reply.status_code == 200, f"{reply.status_code} {reply.text[:500]}\n{_tail(log)}"
+    assert reply.status_code == 200, f"{reply.status_code} {reply.text[:500]}\n{tail(log)}"
     vector = reply.json()[0]["embedding"]
     assert len(vector) == 384
     return [float(v) for v in vector]
@@ -114,7 +74,7 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
         before = _embed(url, first.log)
     finally:
         code = first.stop()
-    assert code == 0, _tail(first.log)
+    assert code == 0, tail(first.log)
 
     shutil.rmtree(origin.parent)  # the origin is now unreachable
     cached = _cache_ls(env)
@@ -126,7 +86,7 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
         after = _embed(url, second.log)
     finally:
         code = second.stop()
-    assert code == 0, _tail(second.log)
+    assert code == 0, tail(second.log)
     assert _cosine(before, after) >= 0.9999
     # Nothing was lost or re-fetched: the same blob, still the only one.
     assert [line.split()[:2] for line in _cache_ls(env)] == [cached[0].split()[:2]]

@@ -125,7 +125,7 @@ def test_a_damaged_file_is_refused_not_started_over(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[:16] = b"not a database!!"
     path.write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match="cannot be read.*move it away"):
+    with pytest.raises(ConfigError, match=r"cannot be read.*move it away"):
         SqliteStore(path)
     assert path.read_bytes()[:16] == b"not a database!!"  # left for the operator to look at
 

@@ -112,6 +112,13 @@ class Traffic:
             random.random() if draw is None else draw)
         return choose(self.weights[group], point)
 
+    def load(self, stored: Mapping[str, Any]) -> None:
+        """Take everything the store holds: a deployment it has nothing for is stable-only."""
+        for group, labels in self.versions.items():
+            if group not in stored:
+                self.weights[group] = stable_only(labels)
+        self.update(stored)
+
     def update(self, stored: Mapping[str, Any]) -> None:
         """Take the weights read from the store; entries that no longer fit are ignored."""
         for group, weights in stored.items():

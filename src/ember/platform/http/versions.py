@@ -5,10 +5,11 @@ route, like everything under ``/-/``); ``GET`` reads them. Bad weights are refus
 naming the field and change nothing. The weights are written to the app's durable store
 (``control/store.py``) before the call answers, taken at once by the edge that answered and
 by the others as soon as they see the store change (``watch_store``); a ``GET`` reads
-through to the store, so it never answers older weights than a ``PUT`` that answered. See ``control/traffic.py`` for how a request is routed. ``PUT
-/-/shadow/{deployment}`` with ``{"to": "2", "percent": 20}`` copies a sample of requests to a
-candidate (``control/shadow.py``); :meth:`Versions.shadow` runs one copy after the caller's
-answer is on its way.
+through to the store, so it never answers older weights than a ``PUT`` that answered. See
+``control/traffic.py`` for how a request is routed. ``PUT /-/shadow/{deployment}`` with
+``{"to": "2", "percent": 20}`` copies a sample of requests to a candidate
+(``control/shadow.py``); :meth:`Versions.shadow` runs one copy after the caller's answer is
+on its way.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from fastapi.responses import JSONResponse
 
 from ember.errors import EmberError, NotFound
 from ember.platform.control.rollout import Rollout
-from ember.platform.control.store import open_store
 from ember.platform.control.shadow import Shadow, distance, parse_shadow
+from ember.platform.control.store import open_store
 from ember.platform.control.traffic import Traffic, TrafficStore, parse_weights
 from ember.platform.decorator import RouteSpec
 from ember.platform.http._metrics import Metrics
@@ -167,7 +168,7 @@ class Versions:
         """Take the weights and shadows other edges (or an earlier run of this one) stored."""
         if not self.versioned:
             return
-        self.traffic.update(await asyncio.to_thread(self.store.read))
+        self.traffic.load(await asyncio.to_thread(self.store.read))
         self.rollouts = await asyncio.to_thread(self.rollout_store.read_all)
         await watch(self.app_name, self.rollouts)
         await self.refresh_shadows()
@@ -220,7 +221,7 @@ def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
     async def read(deployment: str) -> Response:
         labels_of(deployment)
         # Read through to the store: another edge may have answered a PUT a moment ago.
-        versions.traffic.update(await asyncio.to_thread(versions.store.read))
+        versions.traffic.load(await asyncio.to_thread(versions.store.read))
         return JSONResponse({"deployment": deployment,
                              "weights": versions.traffic.weights[deployment]})
 
