@@ -74,6 +74,8 @@ class SqliteStore:
                 db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, n INTEGER)")
                 db.execute("INSERT OR IGNORE INTO meta VALUES (?, 0)", (_STAMP_KEY,))
             self._db().execute("PRAGMA quick_check").fetchone()
+        except sqlite3.OperationalError:  # locked, read-only, no such directory: as it is
+            raise
         except sqlite3.DatabaseError as exc:
             # Refuse to serve rather than start over silently: the operator's traffic
             # split or rollout would be lost without a word.
