@@ -169,7 +169,8 @@ def test_traffic_shadow_lease_and_rollout_survive_sigterm_and_sigkill(
     figures: dict[str, Any] = {}
     with _client() as client:
         runs.start()
-        assert len(_edges_seen(client, url)) >= 2, "the GETs below must reach both edges"
+        figures["edges"] = len(_edges_seen(client, url))
+        assert figures["edges"] >= 2, "the GETs below must reach both edges"
         # Version 2 warm before it takes traffic: the switch time is the store's, not a start.
         assert client.post(f"{url}/-/warm/Embed@2?for=1800&floor=1").status_code == 200
         wait_for(lambda: _running(client, url, "Embed@2") >= 1, 120, what="version 2 up")
@@ -228,6 +229,15 @@ def _rollout_went_on(client: httpx.Client, runs: Runs, env: dict[str, str]) -> N
 
 def _keep(figures: dict[str, Any]) -> None:
     where = os.environ.get("STATE_RESULTS")
+    figures = {
+        "what": "switch_s: seconds from a 200 PUT of new weights (100/0 <-> 0/100) to the last "
+                "request any edge still sent to the old version, requests one after another, "
+                "each on a new connection; read_after_write_gets: GETs right after a 200 PUT, "
+                "all of which showed the new weights",
+        "command": "STATE_RESULTS=bench/results/operator_state.json "
+                   "python -m pytest tests/e2e/test_operator_state.py -s",
+        "max_switch_s": max(figures["switch_s"]), **figures,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(json.dumps(figures))
     if where:
         Path(where).write_text(json.dumps(figures, indent=2) + "\n")
