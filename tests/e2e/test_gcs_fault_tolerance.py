@@ -88,7 +88,7 @@ class Head:
         env.pop("RAY_ADDRESS", None)
         script = textwrap.dedent("""
             import threading
-            from ember.platform import runtime
+            from ember.cluster import runtime
             from versions import app
             import ray
             runtime.serve_app(app)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ember.control.store import FILE_NAME, SqliteStore, default_state_dir
 from ember.errors import ConfigError
-from ember.platform.control.store import FILE_NAME, SqliteStore, default_state_dir
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -58,7 +58,7 @@ def test_a_write_is_on_disk_when_put_returns_even_if_the_writer_is_killed(
     writer = _python(f"""
         import sys, time
         from pathlib import Path
-        from ember.platform.control.store import SqliteStore
+        from ember.control.store import SqliteStore
         SqliteStore(Path({str(path)!r})).put("traffic:app:Embed", b"80/20")
         print("written", flush=True)
         time.sleep(60)
@@ -75,7 +75,7 @@ def test_a_writer_killed_inside_its_transaction_leaves_the_old_value(tmp_path: P
     writer = _python(f"""
         import time
         from pathlib import Path
-        from ember.platform.control.store import SqliteStore
+        from ember.control.store import SqliteStore
         store = SqliteStore(Path({str(path)!r}))
         with store._write() as db:
             db.execute("UPDATE kv SET value = ? WHERE key = ?", (b"new", "traffic:app:Embed"))
@@ -98,7 +98,7 @@ def test_a_commit_cut_short_on_disk_is_never_read(tmp_path: Path) -> None:
     writer = _python(f"""
         import time
         from pathlib import Path
-        from ember.platform.control.store import SqliteStore
+        from ember.control.store import SqliteStore
         store = SqliteStore(Path({str(path)!r}))
         store.put("rollout:app:Embed", b"step 1" * 100)
         print("first", flush=True)
