@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from run_process import EMBER, ROOT, EmberRun
-from run_process import tail as _tail
+from run_process import EMBER, ROOT, EmberRun, tail
 
 from support import free_port
 
@@ -35,7 +34,7 @@ def _weights() -> Path:
 
 def _embed(url: str, log: Path) -> list[float]:
     reply = httpx.post(f"{url}/embed", json=["hello"], timeout=150)
-    assert reply.status_code == 200, f"{reply.status_code} {reply.text[:500]}\n{_tail(log)}"
+    assert reply.status_code == 200, f"{reply.status_code} {reply.text[:500]}\n{tail(log)}"
     vector = reply.json()[0]["embedding"]
     assert len(vector) == 384
     return [float(v) for v in vector]
@@ -74,7 +73,7 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
         before = _embed(url, first.log)
     finally:
         code = first.stop()
-    assert code == 0, _tail(first.log)
+    assert code == 0, tail(first.log)
 
     shutil.rmtree(origin.parent)  # the origin is now unreachable
     cached = _cache_ls(env)
@@ -86,7 +85,7 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
         after = _embed(url, second.log)
     finally:
         code = second.stop()
-    assert code == 0, _tail(second.log)
+    assert code == 0, tail(second.log)
     assert _cosine(before, after) >= 0.9999
     # Nothing was lost or re-fetched: the same blob, still the only one.
     assert [line.split()[:2] for line in _cache_ls(env)] == [cached[0].split()[:2]]

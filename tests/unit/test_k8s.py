@@ -57,7 +57,9 @@ def test_the_schema_is_a_valid_json_schema() -> None:
 def test_the_flagship_manifest_printed_by_the_cli_validates(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s", "--image", "registry.example/ember:1"]) == 0
-    manifest, policy = yaml.safe_load_all(capsys.readouterr().out)
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    manifest = next(d for d in docs if d["kind"] == "RayService")
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
     assert policy["kind"] == "NetworkPolicy"
     validate(manifest)
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
@@ -74,7 +76,7 @@ def test_json_output_is_the_same_manifest(capsys: pytest.CaptureFixture[str]) ->
     assert main(["deploy", FLAGSHIP, "--k8s", "--json"]) == 0
     from_json = json.loads(capsys.readouterr().out)
     assert (from_json["apiVersion"], from_json["kind"]) == ("v1", "List")
-    validate(from_json["items"][0])
+    validate(next(i for i in from_json["items"] if i["kind"] == "RayService"))
     assert from_json["items"] == from_yaml
 
 
@@ -224,6 +226,8 @@ def test_worker_pods_get_probes_and_a_grace_that_covers_the_longest_drain() -> N
         assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 8000}
         assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["sleep",
                                                                       str(k8s.PRESTOP_S)]
+
+
 def _pods(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     cluster = manifest["spec"]["rayClusterConfig"]
     return [g["template"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]]
@@ -235,7 +239,7 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def test_rays_ports_are_closed_to_other_pods_and_only_the_edge_port_is_open() -> None:
     app = ember.App([Small, Big], name="tests", warm_pool=0)
-    service, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="img:1"),
+    *_, service, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="img:1"),
                                     environ={"EMBER_PORT": "8100"}, ray_version="2.60.0")
     validate(service)
     assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
@@ -266,6 +270,45 @@ def test_ray_token_auth_guards_the_dashboard_and_gcs() -> None:
 
 def test_the_policy_lives_in_the_apps_namespace() -> None:
     app = ember.App([Small], name="tests", warm_pool=0)
-    _, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="i", namespace="ml"),
-                              environ={}, ray_version="2.60.0")
+    *_, policy = k8s.manifests(app, "tests_app:app", ClusterShape(image="i", namespace="ml"),
+                               environ={}, ray_version="2.60.0")
     assert policy["metadata"]["namespace"] == "ml"
+
+
+def test_the_gcs_keeps_its_state_in_the_redis_the_manifest_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", FLAGSHIP, "--k8s", "--namespace", "serving"]) == 0
+    *redis, service, policy = yaml.safe_load_all(capsys.readouterr().out)
+    assert policy["kind"] == "NetworkPolicy"
+    validate(service)
+    ft = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    by_kind = {o["kind"]: o for o in redis}
+    assert set(by_kind) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    assert all(o["metadata"]["namespace"] == "serving" for o in redis)
+    # The RayService points at the Service the manifest makes, on the port it serves.
+    host, port = ft["redisAddress"].split(":")
+    assert host == by_kind["Service"]["metadata"]["name"] == "embeddings-redis"
+    assert int(port) == by_kind["Service"]["spec"]["ports"][0]["port"]
+    # One password for both sides, from the Secret the operator creates; never inline.
+    secret = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    pod = by_kind["Deployment"]["spec"]["template"]["spec"]
+    redis_env = pod["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert secret == redis_env == {"name": "embeddings-redis", "key": "password"}
+    assert "$REDIS_PASSWORD" in pod["containers"][0]["command"][-1]
+    # Redis writes every change to an append-only file on a volume that outlives its pod.
+    assert "--appendonly yes" in pod["containers"][0]["command"][-1]
+    claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert claim == by_kind["PersistentVolumeClaim"]["metadata"]["name"]
+    selector = by_kind["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert by_kind["Service"]["spec"]["selector"] == selector
+    assert by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"] == selector
+
+
+def test_an_existing_redis_is_named_and_none_is_made(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", FLAGSHIP, "--k8s", "--redis-address", "redis.infra:6380"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["RayService", "NetworkPolicy"]
+    validate(docs[0])
+    ft = docs[0]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"] == "redis.infra:6380"

@@ -201,3 +201,23 @@ def test_stable_is_the_version_with_the_most_traffic_now() -> None:
     spec = ro.parse_rollout("Embed", ["1", "2", "3"], {"1": 10, "2": 90, "3": 0},
                             {"to": "3", "steps": [50, 100], "every_s": 5})
     assert (spec.stable, spec.to, spec.steps, spec.every_s) == ("2", "3", (50, 100), 5.0)
+
+
+def test_a_rollout_resumed_after_a_restart_holds_its_step_again_and_never_skips() -> None:
+    edges = Edges()
+    rollout = held_first_step(edges)  # 5%, holding since t=1
+    # Down for an hour: on the clock alone every step would be long over.
+    resumed = ro.resume(rollout, 3601.0)
+    assert (resumed.share, resumed.phase, resumed.phase_started_s) == (5, "holding", 3601.0)
+    assert resumed.resumed == 1 and "resumed after a restart" in resumed.history[-1]
+    # A new edge counts from zero: no request yet, and the step holds for its full every_s.
+    same, change = ro.tick(resumed, 3602.0, {"edge-new": {}}, {"1": 2, "2": 1})
+    assert change == ro.Change() and same.share == 5
+    nxt, change = ro.tick(same, 3601.0 + SPEC.every_s, {"edge-new": {}}, {"1": 2, "2": 1})
+    assert nxt.phase == "waking" and nxt.share == 5 and change.weights is None
+    assert ro.Rollout.from_json(resumed.as_json()) == resumed
+
+
+def test_an_ended_rollout_is_not_resumed() -> None:
+    rollout = ro.end(held_first_step(Edges()), 10.0, "failed", "bad")[0]
+    assert ro.resume(rollout, 100.0) is rollout

@@ -106,3 +106,10 @@ def test_two_unversioned_classes_with_one_name_are_refused() -> None:
 def test_versions_that_serve_different_routes_are_refused() -> None:
     with pytest.raises(ConfigError, match="must serve the same routes"):
         ember.App([*_versions("1"), *_versions("2", route="/other")])
+
+
+def test_loading_the_store_whole_puts_a_deployment_it_lost_back_on_stable() -> None:
+    traffic = Traffic({"Embed": ["1", "2"], "Other": ["1", "2"]})
+    traffic.update({"Embed": {"1": 80, "2": 20}, "Other": {"1": 50, "2": 50}})
+    traffic.load({"Other": {"1": 50, "2": 50}})
+    assert traffic.weights == {"Embed": {"1": 100, "2": 0}, "Other": {"1": 50, "2": 50}}

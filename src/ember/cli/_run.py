@@ -26,6 +26,7 @@ from ember.cli._signals import (
     StopSignals,
 )
 from ember.cluster import watchdog
+from ember.control.store import default_state_dir
 
 
 def cmd_run(args: argparse.Namespace, signals: StopSignals = STOP) -> int:
@@ -58,7 +59,8 @@ def _serve(app: App, args: argparse.Namespace, signals: StopSignals) -> int:
     key_note = _local_admin_key()
     try:
         url = runtime.serve_app(app, host=args.host, port=args.port, stop=signals.stop,
-                                dashboard_port=args.dashboard_port)
+                                dashboard_port=args.dashboard_port,
+                                state_dir=args.state_dir or default_state_dir(app.name))
         if not signals.stop.is_set():
             print(f"Ember is serving {app.name} at {url}  (docs: {url}/docs)", flush=True)
             example = (app.curl or "ember status --url {url}").format(url=url)

@@ -1,4 +1,5 @@
-"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app, and the
+"""``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app, with the
+Redis its GCS keeps its state in (``--redis-address`` names an existing one instead), and the
 ``NetworkPolicy`` that keeps Ray's ports to the cluster's own pods.
 
 The manifest is built by ``cluster/k8s.py`` from the app's deployments and this process's
@@ -36,7 +37,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     except ValueError as exc:  # pydantic's ValidationError
         raise ConfigError(str(exc)) from None
     items = k8s.manifests(app, args.target, shape, environ=os.environ,
-                          ray_version=metadata.version("ray"))
+                          ray_version=metadata.version("ray"),
+                          redis_address=args.redis_address)
     print(json.dumps(k8s.to_list(items), indent=2) if args.json
           else k8s.to_yaml_documents(items), end="")
     if args.json:
@@ -67,4 +69,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="GPUs of each pod of the GPU group, made when a deployment needs one")
     deploy.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
     deploy.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    deploy.add_argument("--redis-address", default=None, metavar="HOST:PORT",
+                        help="an existing Redis for the GCS's fault tolerance (default: the "
+                        "manifest runs one)")
     deploy.set_defaults(func=cmd_deploy)

@@ -96,6 +96,8 @@ def _rollout_note(row: dict[str, Any]) -> str:
     text = f"rollout {row['group']} v{r['from']} -> v{row['version']}: {r['state']}"
     if r["state"] == "running":
         text += f", step {r['step']}/{r['steps']} ({r['share']}%), {r['phase']}"
+        if r.get("resumed"):
+            text += ", resumed after a restart (this step started again)"
     return f"{text} ({r['reason']})" if r.get("reason") else text
 
 
@@ -259,6 +261,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--port", type=int, default=None, help="default: $EMBER_PORT or 8000")
     run.add_argument("--dashboard-port", type=int, default=0,
                      help="start Ray's dashboard on 127.0.0.1:PORT (local cluster; 0 = off)")
+    run.add_argument("--state-dir", type=Path, default=None,
+                     help="where traffic, rollouts, shadows and leases are kept across "
+                     "restarts (default: ~/.local/share/ember/<app>)")
     run.set_defaults(func=cmd_run)
     url = settings.load().url or f"http://{DEFAULT_HOST}:{default_port()}"
     status = sub.add_parser("status", help="replicas, load and cold starts per deployment")

@@ -18,6 +18,13 @@ Kubernetes or Ray. The manifest holds:
 - Ray's token auth (``authOptions``), and beside the ``RayService`` a ``NetworkPolicy``: only
   the cluster's own pods reach Ray's ports, only the edges' port is open to the ingress.
 
+- GCS fault tolerance (``gcsFaultToleranceOptions``, KubeRay 1.3+): the head's GCS keeps
+  its tables, Ray's internal key-value store among them, in Redis, so a head that restarts
+  finds the cluster, its detached actors and the operator's settings (traffic, rollouts,
+  shadows, leases: ``control/store.py``) where it left them. :func:`manifests` adds a
+  one-replica Redis with an append-only file on a volume, or names an existing one
+  (``--redis-address``). Its password comes from a Secret the operator creates once.
+
 The head pod keeps KubeRay's own readiness probe: KubeRay submits the Serve config only once
 the head is ready, so a head that waited for the app to be ready would never get one.
 """
@@ -273,6 +280,57 @@ def _worker_spec(group: WorkerGroup, shape: ClusterShape, env: list[dict[str, An
     }
 
 
+#: The Redis image a manifest runs when no Redis is named.
+REDIS_IMAGE = "redis:7.4"
+REDIS_PORT = 6379
+
+
+def redis_secret(app_name: str) -> str:
+    """The Secret whose ``password`` key holds the GCS's Redis password."""
+    return f"{manifest_name(app_name)}-redis"
+
+
+def gcs_fault_tolerance(app_name: str, redis_address: str | None) -> dict[str, Any]:
+    """``gcsFaultToleranceOptions``: the GCS in Redis at ``redis_address`` (default: the
+    one :func:`redis_objects` makes), its password from :func:`redis_secret`."""
+    address = redis_address or f"{manifest_name(app_name)}-redis:{REDIS_PORT}"
+    ref = {"name": redis_secret(app_name), "key": "password"}
+    return {"redisAddress": address, "redisPassword": {"valueFrom": {"secretKeyRef": ref}}}
+
+
+def redis_objects(app_name: str, namespace: str | None, *,
+                  storage_gib: int = 1) -> list[dict[str, Any]]:
+    """A one-replica Redis for the GCS: a volume, a Deployment writing an append-only file
+    to it (fsync every second), and a Service, all in the manifest's namespace."""
+    name = redis_secret(app_name)
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "ember"}
+    meta: dict[str, Any] = {"name": name, "labels": labels}
+    if namespace:
+        meta["namespace"] = namespace
+    password = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+        "name": name, "key": "password"}}}
+    container = {
+        "name": "redis", "image": REDIS_IMAGE,
+        "command": ["sh", "-c", "exec redis-server --appendonly yes --appendfsync everysec "
+                    "--dir /data --requirepass \"$REDIS_PASSWORD\""],
+        "env": [password], "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
+    }
+    pod = {"metadata": {"labels": labels}, "spec": {"containers": [container], "volumes": [
+        {"name": "data", "persistentVolumeClaim": {"claimName": name}}]}}
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta,
+         "spec": {"accessModes": ["ReadWriteOnce"],
+                  "resources": {"requests": {"storage": f"{storage_gib}Gi"}}}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                  "selector": {"matchLabels": labels}, "template": pod}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+         "spec": {"selector": labels, "ports": [{"name": "redis", "port": REDIS_PORT}]}},
+    ]
+
+
 def manifest_name(app_name: str) -> str:
     """A DNS-1123 name for the app: ``My_App`` -> ``my-app``."""
     return app_name.lower().replace("_", "-").strip("-") or "ember"
@@ -400,10 +458,15 @@ def serve_port(manifest: Mapping[str, Any]) -> int:
 
 
 def manifests(app: App, target: str, shape: ClusterShape, *, environ: Mapping[str, str],
-              ray_version: str) -> list[dict[str, Any]]:
-    """What ``ember deploy --k8s`` writes: the ``RayService`` and its ``NetworkPolicy``."""
+              ray_version: str, redis_address: str | None = None) -> list[dict[str, Any]]:
+    """What ``ember deploy --k8s`` writes: the Redis the GCS keeps its state in (unless
+    ``redis_address`` names one), the ``RayService`` with GCS fault tolerance, and its
+    ``NetworkPolicy``."""
     service = rayservice(app, target, shape, environ=environ, ray_version=ray_version)
-    return [service, network_policy(service, serve_port(service))]
+    service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] = gcs_fault_tolerance(
+        app.name, redis_address)
+    redis = [] if redis_address else redis_objects(app.name, shape.namespace)
+    return [*redis, service, network_policy(service, serve_port(service))]
 
 
 class _BlockDumper(yaml.SafeDumper):

@@ -23,7 +23,7 @@ from ember import ray_internals, settings
 from ember.app.app import App
 from ember.app.config import serve_logging, to_ray_options
 from ember.cluster import lifecycle
-from ember.control import snapshot_placement, warm_runtime
+from ember.control import snapshot_placement, store, warm_runtime
 from ember.control.listeners import (
     LOCAL_CLUSTER_ENV,
     LOOPBACK,
@@ -256,12 +256,18 @@ def _set_local_cluster_env() -> None:
 
 
 def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
-              stop: threading.Event | None = None, dashboard_port: int = 0) -> str:
+              stop: threading.Event | None = None, dashboard_port: int = 0,
+              state_dir: Path | None = None) -> str:
     """Deploy ``app`` and return its base URL; returns once the app is running.
 
     The edges answer ``/readyz`` 200 only once this returns (and the warm runtime of a local
     cluster is up or given up on). ``stop`` set meanwhile cuts the waits short; the app is
     then left starting (not ready) for the caller to drain and shut down.
+
+    Args:
+        state_dir: Where the operator's settings live when this call starts a local
+            cluster (``control/store.py``); when it joins a cluster they live in the
+            cluster's GCS.
 
     Example:
         >>> url = serve_app(my_app)            # doctest: +SKIP
@@ -271,6 +277,8 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
     stop = stop or threading.Event()
     started_here = start_ray(preload=app_modules(app), dashboard_port=dashboard_port)
     port = default_port() if port is None else port
+    # Before anything of the app starts: every process reads it once.
+    store.announce(app.name, state_dir if started_here else None)
     lifecycle.set_phase(app.name, lifecycle.STARTING)
     # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py).
     serve.start(proxy_location="Disabled")

@@ -2,8 +2,8 @@
 
 The floor a deployment's policy respects at any moment is the largest of its constant
 ``warm_floor``, any unexpired lease, and its schedule. Everything here is a pure function
-of the clock except :class:`LeaseStore`, which keeps leases in Ray's cluster-wide key-value
-store so that the edges (which grant them) and the controller (whose policy reads them)
+of the clock except :class:`LeaseStore`, which keeps leases in the app's durable store
+(``store.py``) so that the edges (which grant them) and the controller (whose policy reads them)
 agree without a new service.
 
 Example:
@@ -26,6 +26,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from ember.app.schedule import Window
+from ember.control.store import open_store
 
 _DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>s|m|h|d)?$")
 MAX_LEASE_S = 7 * 24 * 3600.0
@@ -65,9 +66,7 @@ def now_in(timezone_name: str, now_s: float | None = None) -> datetime:
 
 
 class LeaseStore:
-    """Leases in Ray's internal key-value store, one key per app and deployment."""
-
-    NAMESPACE = "ember"
+    """Leases in the app's durable store (``store.py``), one key per deployment."""
 
     def __init__(self, app: str) -> None:
         self.app = app
@@ -76,16 +75,11 @@ class LeaseStore:
         return f"lease:{self.app}:{deployment}"
 
     def put(self, deployment: str, floor: int, until_s: float) -> None:
-        from ray.experimental import internal_kv
-
         value = json.dumps({"floor": floor, "until_s": until_s}).encode()
-        internal_kv._internal_kv_put(self._key(deployment), value, overwrite=True,
-                                     namespace=self.NAMESPACE)
+        open_store(self.app).put(self._key(deployment), value)
 
     def get(self, deployment: str) -> dict[str, Any] | None:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self._key(deployment), namespace=self.NAMESPACE)
+        raw = open_store(self.app).get(self._key(deployment))
         if not raw:
             return None
         try:
@@ -95,6 +89,4 @@ class LeaseStore:
         return value if isinstance(value, dict) else None
 
     def delete(self, deployment: str) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self._key(deployment), namespace=self.NAMESPACE)
+        open_store(self.app).delete(self._key(deployment))

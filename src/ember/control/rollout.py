@@ -207,6 +207,8 @@ class Rollout:
     #: The last judgement: per role ("stable", "candidate"), requests, 5xx rate and p99.
     judged: dict[str, dict[str, float]] = field(default_factory=dict)
     history: tuple[str, ...] = ()
+    #: How many times the rollout went on after losing its driver (a restart).
+    resumed: int = 0
 
     @property
     def share(self) -> int:
@@ -289,6 +291,27 @@ def tick(rollout: Rollout, now: float, counts: Counts, running: Mapping[str, int
     floor = wake_floor(rollout, running)
     return replace(rollout, phase="waking", phase_started_s=now, wake_floor=floor), Change(
         floor=floor)
+
+
+def resume(rollout: Rollout, now: float) -> Rollout:
+    """A running rollout whose driver was gone for a while (``ember run`` restarted, or the
+    driver's node was lost) goes on from the step it was at: the traffic stays at that
+    step's share, and the step's hold (or wake-up) starts again, so it never moves on, let
+    alone to 100% of either version, on time that passed while nobody watched.
+
+    Example:
+        >>> r = Rollout(RolloutSpec("Embed", "2", "1"), 1, began_s=0.0, phase="holding", step=1)
+        >>> later = resume(r, 500.0)
+        >>> (later.share, later.phase, later.phase_started_s, later.resumed)
+        (25, 'holding', 500.0, 1)
+    """
+    if rollout.state != "running":
+        return rollout
+    at = (f"step {rollout.step + 1}/{len(rollout.spec.steps)} at {rollout.share}%"
+          if rollout.step >= 0 else "before its first step")
+    return replace(rollout, phase_started_s=now, resumed=rollout.resumed + 1,
+                   history=rollout.noted(now, f"resumed after a restart: {rollout.phase} {at} "
+                                              f"again"))
 
 
 def _wake(rollout: Rollout, now: float, counts: Counts, running: Mapping[str, int]) -> tuple[

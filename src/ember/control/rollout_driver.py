@@ -6,9 +6,11 @@ start, read and end one through this driver.
 A rollout must go on after the CLI that asked for it exits and after an edge restarts, so
 neither runs it: :class:`RolloutDriver` is a detached Ray actor, one per app, that wakes
 twice a second while a rollout runs and stops itself when none does. Its whole state lives
-in the cluster's key-value store (one key per deployment), so a driver that dies is
-restarted by Ray and picks up where the last one wrote; an edge that sees a running
-rollout's heartbeat go stale asks for the driver again (:func:`watch`).
+in the app's durable store (``control/store.py``, one key per deployment), so a driver that
+dies is restarted by Ray and picks up where the last one wrote; an edge that sees a running
+rollout's heartbeat go stale asks for the driver again (:func:`watch`), which is also how a
+rollout goes on after ``ember run`` restarts: from the step it was at, held again from the
+start (``policy.resume``).
 
 The driver judges versions on what callers met at the edges: every edge publishes its
 metrics to the key-value store once a second (``edge_reports.EdgeReports``), and the driver
@@ -32,6 +34,7 @@ from ember.control import floors
 from ember.control import rollout as policy
 from ember.control.edge_reports import EdgeReports
 from ember.control.rollout import Counts, Rollout, RolloutSpec, Tally
+from ember.control.store import open_store
 from ember.control.traffic import TrafficStore
 
 logger = logging.getLogger("ember.rollout")
@@ -50,33 +53,27 @@ def serve_name(group: str, version: str) -> str:
 
 
 class RolloutStore:
-    """Rollouts in Ray's internal key-value store, one key per app and deployment."""
+    """Rollouts in the app's durable store (``control/store.py``), one key per deployment."""
 
     def __init__(self, app: str) -> None:
+        self.app = app
         self.prefix = f"rollout:{app}:"
 
     def read(self, group: str) -> Rollout | None:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self.prefix + group, namespace=_NAMESPACE)
-        return _decode(raw)
+        return _decode(open_store(self.app).get(self.prefix + group))
 
     def read_all(self) -> dict[str, Rollout]:
-        from ray.experimental import internal_kv
-
+        store = open_store(self.app)
         found = {}
-        for key in internal_kv._internal_kv_list(self.prefix, namespace=_NAMESPACE):
-            rollout = _decode(internal_kv._internal_kv_get(key, namespace=_NAMESPACE))
+        for key in store.keys(self.prefix):
+            rollout = _decode(store.get(key))
             if rollout is not None:
                 found[rollout.spec.group] = rollout
         return found
 
     def write(self, rollout: Rollout) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self.prefix + rollout.spec.group,
-                                     json.dumps(rollout.as_json()).encode(), overwrite=True,
-                                     namespace=_NAMESPACE)
+        open_store(self.app).put(self.prefix + rollout.spec.group,
+                                 json.dumps(rollout.as_json()).encode())
 
 
 def _decode(raw: bytes | None) -> Rollout | None:
@@ -194,6 +191,8 @@ class RolloutDriver:
                 continue
             counts, running = self._observe(rollout.spec.group)
             now = time.time()
+            if now - rollout.beat_s > STALE_S:  # nobody ran it for a while: a restart
+                rollout = policy.resume(rollout, now)
             ticked, change = policy.tick(rollout, now, counts, running)
             judged = policy.summary(ticked, counts) if ticked.phase == "holding" else {}
             self._apply(replace(ticked, beat_s=now, judged=judged or ticked.judged), change)

@@ -3,8 +3,9 @@
 An ``App`` may list several classes with one ``name`` and different ``version``s; each is a
 Ray Serve deployment of its own (``Embed@2``). The first listed is stable and gets 100% until
 an operator sets weights (``PUT /-/traffic/Embed`` with ``{"1": 90, "2": 10}``, or
-``ember traffic Embed 1=90 2=10``). The weights live in the cluster's key-value store, so
-every edge, and an edge that restarts, reads the same; an edge re-reads them once a second.
+``ember traffic Embed 1=90 2=10``). The weights live in the app's durable store (``store.py``),
+so every edge, an edge that restarts and the next ``ember run`` read the same; an edge
+re-reads them as soon as it sees the store change (it looks five times a second).
 
 Per request: ``X-Ember-Version`` pins a version; ``X-Ember-Session`` hashes the session id to
 a fixed point on the weights' scale, so one session stays on one version while the weights
@@ -21,11 +22,10 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ember.control.store import open_store
 from ember.errors import BadRequest
 
 Weights = dict[str, int]
-
-_KV_NAMESPACE = "ember"
 
 
 def stable_only(versions: Sequence[str]) -> Weights:
@@ -112,6 +112,13 @@ class Traffic:
             random.random() if draw is None else draw)
         return choose(self.weights[group], point)
 
+    def load(self, stored: Mapping[str, Any]) -> None:
+        """Take everything the store holds: a deployment it has nothing for is stable-only."""
+        for group, labels in self.versions.items():
+            if group not in stored:
+                self.weights[group] = stable_only(labels)
+        self.update(stored)
+
     def update(self, stored: Mapping[str, Any]) -> None:
         """Take the weights read from the store; entries that no longer fit are ignored."""
         for group, weights in stored.items():
@@ -125,26 +132,24 @@ class Traffic:
 
 
 class TrafficStore:
-    """Weights (or, with ``kind="shadow"``, shadow settings) in Ray's internal key-value
-    store, one key per app."""
+    """Weights (or, with ``kind="shadow"``, shadow settings) in the app's durable store
+    (``store.py``), one key per deployment, so two deployments' writers never clash."""
 
     def __init__(self, app: str, kind: str = "traffic") -> None:
-        self.key = f"{kind}:{app}"
+        self.app = app
+        self.prefix = f"{kind}:{app}:"
 
     def read(self) -> dict[str, Any]:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self.key, namespace=_KV_NAMESPACE)
-        try:
-            value = json.loads(raw) if raw else {}
-        except ValueError:  # a damaged value: stable-only rather than a crash
-            return {}
-        return value if isinstance(value, dict) else {}
+        store = open_store(self.app)
+        found: dict[str, Any] = {}
+        for key in store.keys(self.prefix):
+            raw = store.get(key)
+            try:
+                found[key[len(self.prefix):]] = json.loads(raw) if raw else None
+            except ValueError:  # a damaged value: that deployment stays as it is
+                continue
+        return {group: value for group, value in found.items() if value is not None}
 
     def write(self, group: str, weights: Any) -> None:
-        """Set ``group``'s entry, keeping the other deployments' as stored."""
-        from ray.experimental import internal_kv
-
-        value = {**self.read(), group: weights}
-        internal_kv._internal_kv_put(self.key, json.dumps(value).encode(), overwrite=True,
-                                     namespace=_KV_NAMESPACE)
+        """Set ``group``'s entry; durable when this returns."""
+        open_store(self.app).put(self.prefix + group, json.dumps(weights).encode())

@@ -370,10 +370,12 @@ def build_fastapi(state: IngressState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         poller = asyncio.create_task(state.poll_replicas())
+        watcher = asyncio.create_task(state.versions.watch_store())
         try:
             yield
         finally:
             poller.cancel()
+            watcher.cancel()
 
     # No redirects: a path that does not match is a 404, never a 307 to some other path.
     app = FastAPI(title=f"Ember: {state.app_name}", lifespan=lifespan, redirect_slashes=False)

@@ -2,12 +2,14 @@
 
 ``PUT /-/traffic/{deployment}`` with ``{"1": 90, "2": 10}`` sets the weights (an admin
 route, like everything under ``/-/``); ``GET`` reads them. Bad weights are refused with 400
-naming the field and change nothing. The weights are written to the cluster's key-value
-store, taken at once by the edge that answered and within a second by the others
-(``refresh``). See ``control/traffic.py`` for how a request is routed. ``PUT
-/-/shadow/{deployment}`` with ``{"to": "2", "percent": 20}`` copies a sample of requests to a
-candidate (``control/shadow.py``); :meth:`Versions.shadow` runs one copy after the caller's
-answer is on its way.
+naming the field and change nothing. The weights are written to the app's durable store
+(``control/store.py``) before the call answers, taken at once by the edge that answered and
+by the others as soon as they see the store change (``watch_store``); a ``GET`` reads
+through to the store, so it never answers older weights than a ``PUT`` that answered. See
+``control/traffic.py`` for how a request is routed. ``PUT /-/shadow/{deployment}`` with
+``{"to": "2", "percent": 20}`` copies a sample of requests to a candidate
+(``control/shadow.py``); :meth:`Versions.shadow` runs one copy after the caller's answer is
+on its way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ember.app.decorator import RouteSpec
 from ember.control.rollout import Rollout
 from ember.control.rollout_driver import RolloutStore, watch
 from ember.control.shadow import Shadow, distance, parse_shadow
+from ember.control.store import open_store
 from ember.control.traffic import Traffic, TrafficStore, parse_weights
 from ember.edge._metrics import Metrics
 from ember.edge._strict_json import read_json
@@ -38,6 +41,8 @@ logger = logging.getLogger("ember.ingress")
 VERSION_HEADER = "X-Ember-Version"
 #: Request header whose value keeps a caller on one version while the weights stand.
 SESSION_HEADER = "X-Ember-Session"
+#: How often an edge looks whether the settings store changed.
+WATCH_S = 0.2
 #: Copies in flight per edge beyond which requests are not copied: a slow candidate must
 #: not pile up work (and memory) on the edge.
 _MAX_COPIES = 64
@@ -141,13 +146,34 @@ class Versions:
                 "rollout": _rollout_row(rollout) if rollout and rollout.spec.to == label
                 else None}
 
+    async def watch_store(self) -> None:
+        """Refresh as soon as the store's stamp moves (see ``control/store.py``), so that
+        what an admin call wrote through any edge routes this one's requests within
+        :data:`WATCH_S` and a read."""
+        if not self.versioned:
+            return
+        store = await asyncio.to_thread(open_store, self.app_name)
+        seen = None
+        while True:
+            try:
+                stamp = await asyncio.to_thread(store.stamp)
+                if stamp != seen:
+                    await self.refresh()
+                    seen = stamp
+            except Exception:  # the store may be restarting (a GCS failover): look again
+                logger.warning("reading the settings store failed", exc_info=True)
+            await asyncio.sleep(WATCH_S)
+
     async def refresh(self) -> None:
         """Take the weights and shadows other edges (or an earlier run of this one) stored."""
         if not self.versioned:
             return
-        self.traffic.update(await asyncio.to_thread(self.store.read))
+        self.traffic.load(await asyncio.to_thread(self.store.read))
         self.rollouts = await asyncio.to_thread(self.rollout_store.read_all)
         await watch(self.app_name, self.rollouts)
+        await self.refresh_shadows()
+
+    async def refresh_shadows(self) -> None:
         stored = await asyncio.to_thread(self.shadow_store.read)
         for group, labels in self.traffic.versions.items():
             if group in stored:
@@ -183,7 +209,7 @@ def _rollout_row(rollout: Rollout) -> dict[str, Any]:
     spec = rollout.spec
     return {"state": rollout.state, "phase": rollout.phase, "from": spec.stable,
             "step": rollout.step + 1, "steps": len(spec.steps), "share": rollout.share,
-            "reason": rollout.reason, "judged": rollout.judged}
+            "reason": rollout.reason, "judged": rollout.judged, "resumed": rollout.resumed}
 
 
 def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
@@ -194,6 +220,8 @@ def add_traffic_routes(app: FastAPI, versions: Versions) -> None:
 
     async def read(deployment: str) -> Response:
         labels_of(deployment)
+        # Read through to the store: another edge may have answered a PUT a moment ago.
+        versions.traffic.load(await asyncio.to_thread(versions.store.read))
         return JSONResponse({"deployment": deployment,
                              "weights": versions.traffic.weights[deployment]})
 
@@ -213,6 +241,7 @@ def _add_shadow_routes(app: FastAPI, versions: Versions) -> None:
 
     async def read_shadow(deployment: str) -> Response:
         labels_of(deployment)
+        await versions.refresh_shadows()
         shadow = versions.shadows.get(deployment)
         return JSONResponse({"deployment": deployment,
                              "shadow": shadow.as_dict() if shadow else {"percent": 0}})
