@@ -18,8 +18,8 @@ from ember import ray_internals
 from ember.control.listeners import cluster_access, verify_loopback
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ember"
-#: Switched to ember.ray_internals's kv accessors when the durable state store lands.
-_KV_PENDING = {"control/traffic.py", "control/floors.py", "control/rollout_driver.py"}
+#: Files still allowed to call internal_kv directly: none (all go through ray_internals).
+_KV_PENDING: set[str] = set()
 _PRIVATE = re.compile(
     r"ray\._|_private\b|\._raylet|_internal_kv|\b_system_config|\b_node_ip_address|"
     r"ENABLE_RAY_CLUSTER|add_port_to_grpc_server|_get_cold_start|curr_replicas|"

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from ember import ray_internals
 from ember.errors import ConfigError
 
 #: Ray's internal key-value namespace of everything Ember keeps in the GCS.
@@ -143,27 +144,19 @@ class GcsStore:
     """The store in Ray's internal key-value store (the head's GCS)."""
 
     def get(self, key: str) -> bytes | None:
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        raw = ray_internals.kv_get(key, namespace=NAMESPACE)
         return bytes(raw) if raw is not None else None
 
     def put(self, key: str, value: bytes) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+        ray_internals.kv_put(key, value, namespace=NAMESPACE)
         self._touch()
 
     def delete(self, key: str) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        ray_internals.kv_delete(key, namespace=NAMESPACE)
         self._touch()
 
     def keys(self, prefix: str) -> list[str]:
-        from ray.experimental import internal_kv
-
-        found = internal_kv._internal_kv_list(prefix, namespace=NAMESPACE)
+        found = ray_internals.kv_list(prefix, namespace=NAMESPACE)
         return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in found)
 
     def stamp(self) -> str:
@@ -171,12 +164,9 @@ class GcsStore:
         return raw.decode() if raw else "0"
 
     def _touch(self) -> None:
-        from ray.experimental import internal_kv
-
         # Unique enough without a read-modify-write: only "changed" matters.
         value = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}".encode()
-        internal_kv._internal_kv_put(f"state-{_STAMP_KEY}", value, overwrite=True,
-                                     namespace=NAMESPACE)
+        ray_internals.kv_put(f"state-{_STAMP_KEY}", value, namespace=NAMESPACE)
 
 
 def _pointer_key(app: str) -> str:
@@ -197,14 +187,12 @@ def announce(app: str, state_dir: Path | None) -> None:
     Opens the store once here, so a directory that cannot hold it fails ``ember run`` at
     start rather than the first admin call.
     """
-    from ray.experimental import internal_kv
-
     if state_dir is None:
-        internal_kv._internal_kv_del(_pointer_key(app), namespace=NAMESPACE)
+        ray_internals.kv_delete(_pointer_key(app), namespace=NAMESPACE)
     else:
         SqliteStore(state_dir / FILE_NAME)
-        internal_kv._internal_kv_put(_pointer_key(app), str(state_dir.resolve()).encode(),
-                                     overwrite=True, namespace=NAMESPACE)
+        ray_internals.kv_put(_pointer_key(app), str(state_dir.resolve()).encode(),
+                             namespace=NAMESPACE)
     _opened.pop(app, None)
 
 
@@ -217,9 +205,7 @@ def open_store(app: str) -> Store:
     with _lock:
         store = _opened.get(app)
         if store is None:
-            from ray.experimental import internal_kv
-
-            raw = internal_kv._internal_kv_get(_pointer_key(app), namespace=NAMESPACE)
+            raw = ray_internals.kv_get(_pointer_key(app), namespace=NAMESPACE)
             store = SqliteStore(Path(raw.decode()) / FILE_NAME) if raw else GcsStore()
             _opened[app] = store
         return store
