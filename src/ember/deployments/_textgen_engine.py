@@ -269,11 +269,10 @@ class Engine:
                 continue
             try:
                 await asyncio.to_thread(self._step, len(self._running) - len(fresh), fresh)
+                self.steps += 1
+                self._deliver()
             except Exception as exc:  # a failed step fails its sequences, not the replica
                 self._fail_running(exc)
-                continue
-            self.steps += 1
-            self._deliver()
 
     def _drop_cancelled(self) -> None:
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
@@ -348,7 +347,9 @@ class Engine:
         self.backend.free(last)
 
     def _fail_running(self, exc: Exception) -> None:
-        for seq in list(self._running):
+        for slot, seq in enumerate(self._running):
             seq.queue.put_nowait(exc)
             seq.finish, seq.done = seq.finish or "stop", True
-            self._release(seq)
+            with contextlib.suppress(Exception):  # the backend may be what failed
+                self.backend.free(slot)
+        self._running.clear()
