@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_prefix import PrefixCache, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
 
 
@@ -40,7 +41,8 @@ class TransformersBackend(Backend):
         >>> backend = TransformersBackend.from_directory("/models/gpt2")  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024,
+                 prefix_blocks: int = 256) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.max_len = min(max_len, int(getattr(model.config, "max_position_embeddings",
@@ -51,6 +53,8 @@ class TransformersBackend(Backend):
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.table: SlotTable | None = None
+        #: Prompt blocks already computed (None: every prompt is computed in full).
+        self.prefix = PrefixCache(max_blocks=prefix_blocks) if prefix_blocks else None
 
     @classmethod
     def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:
@@ -80,11 +84,17 @@ class TransformersBackend(Backend):
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True,
+        hits = self.prefix.match(tokens) if self.prefix is not None else []
+        for layer in range(self.n_layers if hits else 0):  # start from the cached prefix
+            cache.update(*joined(hits, layer), layer)
+        done = len(hits) * (self.prefix.block_tokens if self.prefix is not None else 0)
+        out = self.model(input_ids=torch.tensor([tokens[done:]]), use_cache=True,
                          **{self._cache_kw: cache}, **self._last_only)
         layers: list[Any] = list(cache.layers[:self.n_layers])
-        self._table().place(slot, [layer.keys for layer in layers],
-                            [layer.values for layer in layers])
+        keys, values = [la.keys for la in layers], [la.values for la in layers]
+        self._table().place(slot, keys, values)
+        if self.prefix is not None:
+            self.prefix.insert(tokens, keys, values)
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
 

@@ -167,3 +167,31 @@ def test_the_textgen_app_serves_the_model_ember_textgen_model_names(
     assert isinstance(load_backend(where), TransformersBackend)
     monkeypatch.setenv("EMBER_TEXTGEN_MODEL", "hf://org/tiny@main")
     assert served_model() == ("hf://org/tiny@main", "org/tiny")
+
+
+SHARED = "You are a careful assistant. Answer briefly. "  # 45 tokens: two full blocks and more
+
+
+def test_greedy_equals_generate_with_and_without_a_prefix_cache_hit(model_dir: Path) -> None:
+    backend = _backend(model_dir)
+    prompts = [SHARED + "first?", SHARED + "second, longer question?", SHARED[:20] + "z",
+               SHARED + "first?"]
+    lengths = [9, 6, 11, 9]
+
+    async def run() -> list[list[int]]:
+        engine = Engine(backend, EngineConfig(max_num_seqs=2))
+        params = [SamplingParams(max_tokens=n, temperature=0) for n in lengths]
+        outs = []
+        for prompt, p in zip(prompts, params, strict=True):  # one after another: later ones hit
+            outs.append([t async for c in engine.generate(backend.encode(prompt), p)
+                         for t in c.token_ids])
+        await engine.close()
+        return outs
+
+    got = asyncio.run(run())
+    want = [_reference(backend, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert got == want
+    assert backend.prefix.block_tokens == 16
+    # 2nd: SHARED's two full blocks; 3rd: its first block; 4th: all three of the 1st's.
+    assert backend.prefix.hit_tokens == 32 + 16 + 48
+    assert got[0] == got[3]
