@@ -34,6 +34,8 @@ class Backend(ABC):
     eos_token_id: int | None
     #: The longest prompt + output a slot holds.
     max_len: int
+    #: Prompt tokens the last ``prefill`` took from a prefix cache instead of computing.
+    cached_tokens: int = 0
 
     @abstractmethod
     def allocate(self, slots: int) -> None:

@@ -111,6 +111,8 @@ class Chunk:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens found in the replica's prefix cache (not computed again).
+    cached_tokens: int
     #: The engine's state when the chunk left: for the edge's gauges.
     running: int
     waiting: int
@@ -150,6 +152,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     stop_text: StopText = field(default_factory=lambda: StopText(()))
     slot: int = -1
+    cached: int = 0
     new: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     cancelled: bool = False
@@ -307,8 +310,9 @@ class Engine:
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos)
         for seq in fresh:
-            seq.take(sample(self.backend.prefill(seq.slot, seq.prompt), seq.params,
-                            seq.generator), eos)
+            logits = self.backend.prefill(seq.slot, seq.prompt)
+            seq.cached = self.backend.cached_tokens
+            seq.take(sample(logits, seq.params, seq.generator), eos)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
@@ -332,7 +336,7 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            running=running, waiting=waiting))
+            cached_tokens=seq.cached, running=running, waiting=waiting))
         seq.new = []
 
     def _release(self, seq: _Seq) -> None:

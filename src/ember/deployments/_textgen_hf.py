@@ -88,6 +88,7 @@ class TransformersBackend(Backend):
         for layer in range(self.n_layers if hits else 0):  # start from the cached prefix
             cache.update(*joined(hits, layer), layer)
         done = len(hits) * (self.prefix.block_tokens if self.prefix is not None else 0)
+        self.cached_tokens = done
         out = self.model(input_ids=torch.tensor([tokens[done:]]), use_cache=True,
                          **{self._cache_kw: cache}, **self._last_only)
         layers: list[Any] = list(cache.layers[:self.n_layers])

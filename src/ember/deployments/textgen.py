@@ -104,7 +104,8 @@ class Generator:
         async for chunk in self.engine.generate(self.prompt_of(body), params):
             yield {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
-                   "completion_tokens": chunk.completion_tokens, "running": chunk.running,
+                   "completion_tokens": chunk.completion_tokens,
+                   "cached_tokens": chunk.cached_tokens, "running": chunk.running,
                    "waiting": chunk.waiting}
 
     def warmup(self) -> None:

@@ -195,3 +195,51 @@ def test_greedy_equals_generate_with_and_without_a_prefix_cache_hit(model_dir: P
     # 2nd: SHARED's two full blocks; 3rd: its first block; 4th: all three of the 1st's.
     assert backend.prefix.hit_tokens == 32 + 16 + 48
     assert got[0] == got[3]
+
+
+class _Gateway:
+    """What the edge gives a protocol adapter, with the replica's generator in-process."""
+
+    def __init__(self, generator: Any) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.generator, self.registry = generator, CollectorRegistry()
+
+    async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+        raise AssertionError("generation streams; it never calls")
+
+    async def stream(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+        async for chunk in self.generator.stream(body):
+            yield chunk
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_prefix_hits_reach_the_openai_usage_and_the_metrics(model_dir: Path) -> None:
+    import httpx
+    import openai
+    from fastapi import FastAPI
+    from prometheus_client import generate_latest
+
+    from ember.deployments.textgen import Generator
+    from ember.protocols import OpenAIGeneration
+
+    gateway = _Gateway(Generator(_backend(model_dir), EngineConfig(max_num_seqs=2)))
+    api = FastAPI()
+    OpenAIGeneration(deployment="TextGen", attr="generate", model="m").install(api, gateway)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://t")
+    oa = openai.AsyncOpenAI(api_key="none", base_url="http://t/v1",
+                            http_client=http)  # type: ignore[arg-type]
+
+    async def ask(question: str) -> Any:
+        reply = await oa.completions.create(model="m", prompt=SHARED + question,
+                                            max_tokens=3, temperature=0)
+        return reply.usage
+
+    first, second = asyncio.run(ask("one?")), asyncio.run(ask("two?"))
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == 32
+    metrics = generate_latest(gateway.registry).decode()
+    assert 'ember_prefix_cache_hit_tokens_total{model="m"} 32.0' in metrics
+    assert 'ember_prompt_tokens_total{model="m"} 98.0' in metrics
