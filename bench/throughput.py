@@ -63,7 +63,7 @@ import _rayserve_peer as plain
 import _serving
 import httpx
 
-from ember.platform.http.edge import EDGE_DEPLOYMENT
+from ember.edge.edge import EDGE_DEPLOYMENT
 
 CONCURRENCY = (1, 32)
 MAX_ABS_DIFF = 1e-4
