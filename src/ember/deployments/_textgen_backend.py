@@ -1,22 +1,18 @@
 """What the generation engine needs from a model: prefill a slot, decode a batch of slots.
 
-One small interface, two implementations (a file each would be two dozen lines; they share
-this one):
+One small interface, two implementations:
 
 * :class:`TinyLMBackend`: Ember's byte-level model (``_tinylm.py``); one batched forward per
   decode step over every running sequence, each with its own KV cache slot.
-* :class:`TransformersBackend`: any ``transformers`` causal LM in a local directory (or an
-  ``hf://`` entry already in the cache), loaded with ``local_files_only=True``. It keeps one
-  ``past_key_values`` per slot and decodes the slots one after another: correct for every
-  model ``transformers`` supports, batched by the engine's schedule but not in one kernel.
+* :class:`TransformersBackend` (``_textgen_hf.py``, imported only when used: transformers
+  takes seconds to import): any ``transformers`` causal LM in a local directory, with every
+  running sequence in one forward per decode step over a slotted KV cache.
 """
 
 from __future__ import annotations
 
 import codecs
 from abc import ABC, abstractmethod
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,6 +34,8 @@ class Backend(ABC):
     eos_token_id: int | None
     #: The longest prompt + output a slot holds.
     max_len: int
+    #: Prompt tokens the last ``prefill`` took from a prefix cache instead of computing.
+    cached_tokens: int = 0
 
     @abstractmethod
     def allocate(self, slots: int) -> None:
@@ -110,76 +108,3 @@ class TinyLMBackend(Backend):
 
     def free(self, slot: int) -> None:
         self._cache().free(slot)
-
-
-class _TextDiffDetokenizer(Detokenizer):
-    """Decode all tokens so far and emit what was added (handles merges and byte pieces)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer, self._tokens, self._text = tokenizer, list[int](), ""
-
-    def push(self, token: int) -> str:
-        self._tokens.append(token)
-        text = str(self._tokenizer.decode(self._tokens, skip_special_tokens=True))
-        if text.endswith("\ufffd"):  # half a character: wait for the rest
-            return ""
-        added, self._text = text[len(self._text):], text
-        return added
-
-
-class TransformersBackend(Backend):
-    """A ``transformers`` causal LM from a local directory, never downloaded.
-
-    Example:
-        >>> backend = TransformersBackend.from_directory("/models/gpt2")  # doctest: +SKIP
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024) -> None:
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        self.max_len = min(max_len, int(getattr(model.config, "max_position_embeddings",
-                                                max_len)))
-        self._past: dict[int, Any] = {}
-
-    @classmethod
-    def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:
-        """Load model and tokenizer from ``path`` with ``local_files_only=True``."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-        return cls(model, tokenizer, max_len=max_len)
-
-    def allocate(self, slots: int) -> None:
-        self._past.clear()
-
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer(text)["input_ids"]
-        bos = self.tokenizer.bos_token_id
-        return [bos, *ids] if bos is not None and (not ids or ids[0] != bos) else list(ids)
-
-    def detokenizer(self) -> Detokenizer:
-        return _TextDiffDetokenizer(self.tokenizer)
-
-    @torch.inference_mode()
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
-        self._past[slot] = out.past_key_values
-        logits: torch.Tensor = out.logits[0, -1].float()
-        return logits
-
-    @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        rows = []
-        for slot, token in zip(slots, tokens, strict=True):
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self._past[slot],
-                             use_cache=True)
-            self._past[slot] = out.past_key_values
-            rows.append(out.logits[0, -1].float())
-        return torch.stack(rows)
-
-    def move(self, src: int, dst: int) -> None:
-        self._past[dst] = self._past.pop(src)
-
-    def free(self, slot: int) -> None:
-        self._past.pop(slot, None)

@@ -111,6 +111,8 @@ class Chunk:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens found in the replica's prefix cache (not computed again).
+    cached_tokens: int
     #: The engine's state when the chunk left: for the edge's gauges.
     running: int
     waiting: int
@@ -150,6 +152,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     stop_text: StopText = field(default_factory=lambda: StopText(()))
     slot: int = -1
+    cached: int = 0
     new: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     cancelled: bool = False
@@ -269,11 +272,10 @@ class Engine:
                 continue
             try:
                 await asyncio.to_thread(self._step, len(self._running) - len(fresh), fresh)
+                self.steps += 1
+                self._deliver()
             except Exception as exc:  # a failed step fails its sequences, not the replica
                 self._fail_running(exc)
-                continue
-            self.steps += 1
-            self._deliver()
 
     def _drop_cancelled(self) -> None:
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
@@ -308,8 +310,9 @@ class Engine:
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos)
         for seq in fresh:
-            seq.take(sample(self.backend.prefill(seq.slot, seq.prompt), seq.params,
-                            seq.generator), eos)
+            logits = self.backend.prefill(seq.slot, seq.prompt)
+            seq.cached = self.backend.cached_tokens
+            seq.take(sample(logits, seq.params, seq.generator), eos)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
@@ -333,7 +336,7 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            running=running, waiting=waiting))
+            cached_tokens=seq.cached, running=running, waiting=waiting))
         seq.new = []
 
     def _release(self, seq: _Seq) -> None:
@@ -348,7 +351,9 @@ class Engine:
         self.backend.free(last)
 
     def _fail_running(self, exc: Exception) -> None:
-        for seq in list(self._running):
+        for slot, seq in enumerate(self._running):
             seq.queue.put_nowait(exc)
             seq.finish, seq.done = seq.finish or "stop", True
-            self._release(seq)
+            with contextlib.suppress(Exception):  # the backend may be what failed
+                self.backend.free(slot)
+        self._running.clear()

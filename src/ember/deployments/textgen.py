@@ -26,7 +26,7 @@ from typing import Any
 
 import ember
 from ember import loaders, settings
-from ember.deployments._textgen_backend import Backend, TinyLMBackend, TransformersBackend
+from ember.deployments._textgen_backend import Backend, TinyLMBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
 from ember.deployments._tinylm import TinyLMConfig, build
@@ -55,6 +55,8 @@ def load_backend(model: str | None = None) -> Backend:
 
         repo, _, revision = model.removeprefix("hf://").partition("@")
         model = snapshot_download(repo, revision=revision or None, local_files_only=True)
+    from ember.deployments._textgen_hf import TransformersBackend
+
     return TransformersBackend.from_directory(model)
 
 
@@ -88,9 +90,9 @@ class Generator:
             raise InvalidBody("give either prompt or messages", param="prompt")
         if body.prompt is not None:
             return self.backend.encode(body.prompt)
-        backend = self.backend
-        if isinstance(backend, TransformersBackend) and backend.tokenizer.chat_template:
-            tokenizer = backend.tokenizer  # a transformers model with its own chat template
+        tokenizer = getattr(self.backend, "tokenizer", None)
+        if tokenizer is not None and tokenizer.chat_template:
+            # a transformers model with its own chat template
             turns = [m.model_dump(exclude_none=True) for m in body.messages or []]
             return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
         return self.backend.encode(chat_prompt(body.messages or []))
@@ -102,7 +104,8 @@ class Generator:
         async for chunk in self.engine.generate(self.prompt_of(body), params):
             yield {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
-                   "completion_tokens": chunk.completion_tokens, "running": chunk.running,
+                   "completion_tokens": chunk.completion_tokens,
+                   "cached_tokens": chunk.cached_tokens, "running": chunk.running,
                    "waiting": chunk.waiting}
 
     def warmup(self) -> None:

@@ -139,6 +139,10 @@ class GenerationMetrics:
         self.generated = Counter("ember_generation_tokens", "Output tokens", labels,
                                  registry=r)
         self.prompted = Counter("ember_prompt_tokens", "Prompt tokens", labels, registry=r)
+        # Hit rate = ember_prefix_cache_hit_tokens_total / ember_prompt_tokens_total.
+        self.cached = Counter("ember_prefix_cache_hit_tokens",
+                              "Prompt tokens found in the replica's prefix cache", labels,
+                              registry=r)
         self.running = Gauge("ember_num_requests_running",
                              "Sequences in the running batch, as last reported", labels,
                              registry=r)
@@ -185,6 +189,7 @@ class _Timing:
                                                                    1e-9))
         self.metrics.generated.labels(*labels).inc(self.tokens)
         self.metrics.prompted.labels(*labels).inc(int(chunk["prompt_tokens"]))
+        self.metrics.cached.labels(*labels).inc(int(chunk.get("cached_tokens", 0)))
 
 
 class OpenAIGeneration(Protocol):
@@ -347,10 +352,12 @@ async def _close(chunks: AsyncIterator[Any]) -> None:
         await close()
 
 
-def _usage(chunk: dict[str, Any]) -> dict[str, int]:
+def _usage(chunk: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = int(chunk["prompt_tokens"]), int(chunk["completion_tokens"])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            # OpenAI's field for prompt tokens served from a prompt cache.
+            "prompt_tokens_details": {"cached_tokens": int(chunk.get("cached_tokens", 0))}}
 
 
 def _event(body: dict[str, Any]) -> str:
