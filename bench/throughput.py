@@ -16,7 +16,8 @@ the locale, ``PYTHONPATH`` for the model code, ``OMP_NUM_THREADS``/``MKL_NUM_THR
 Same model code, the same batch (at most 32 texts, 5 ms wait), one replica; every contender
 must return the same vector for the same text (max abs diff <= 1e-4). One text per request.
 
-A round starts one contender, waits until it answers, runs ``--warmup-s`` of untimed load at
+A round starts one contender, waits until it answers and its idle Ray workers are settled
+(:func:`settle`: none busy over 2 s, whatever the contender), runs ``--warmup-s`` of untimed load at
 c=32, ``--duration-s`` at c=1, ``--duration-s`` at c=32, and stops it with Ctrl-C (SIGINT,
 then SIGTERM by PID for anything left). Rounds alternate the contenders (E, S, T, E, S, T...).
 The load client is a process of its own (``python bench/_load.py``), the same for all.
@@ -43,6 +44,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -65,6 +67,10 @@ METRICS = ("c1_p50_ms", "c32_rps", "cpu_ms_per_request", "mean_batch_per_request
 #: (metric, comparison, target) of Ember / each Ray contender, on the medians.
 TARGETS = (("c32_rps", ">=", 1.0), ("cpu_ms_per_request", "<=", 1.0),
            ("c1_p50_ms", "<=", 1.0))
+IDLE_TITLE = "ray::IDLE"
+SETTLE_WINDOW_S = 2.0
+SETTLED_CPU_S = 0.02
+SETTLE_CAP_S = 120.0
 LOOPBACK = (h.HOST, "::ffff:127.0.0.1", "::1")
 ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")
 TUNED_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -198,6 +204,38 @@ def non_loopback_listeners(server: h.ServerProcess) -> list[str]:
     return sorted(out)
 
 
+def idle_workers_cpu(server: h.ServerProcess) -> dict[int, float]:
+    """CPU seconds so far of each idle Ray worker (``ray::IDLE``) of the family."""
+    out = {}
+    for proc in server.family():
+        with contextlib.suppress(psutil.Error):
+            if " ".join(proc.cmdline()).startswith(IDLE_TITLE):
+                out[proc.pid] = h.cpu_seconds([proc])
+    return out
+
+
+def settle(server: h.ServerProcess, deadline: h.Deadline) -> float:
+    """Until no idle Ray worker of the family is busy; seconds waited.
+
+    A cluster replaces the workers its replicas took with fresh idle ones, which import
+    their libraries for seconds after the model first answers (Ember's warm runtime imports
+    torch into them). Busy means more than :data:`SETTLED_CPU_S` of CPU in
+    :data:`SETTLE_WINDOW_S`: an absolute amount, which a busy process exceeds even when the
+    host's other work leaves it little of a core. The same rule for every contender.
+    """
+    def settled() -> bool:
+        before = idle_workers_cpu(server)
+        time.sleep(SETTLE_WINDOW_S)
+        after = idle_workers_cpu(server)
+        return all(after[pid] - before.get(pid, 0.0) < SETTLED_CPU_S for pid in after)
+
+    try:
+        return h.wait_until(settled, "idle workers settled", deadline, cap_s=SETTLE_CAP_S,
+                            poll_s=0.0)
+    except RuntimeError:
+        return SETTLE_CAP_S  # measured anyway; the round records how long it waited
+
+
 def one_round(contender: Contender, args: Any, deadline: h.Deadline,
               workdir: Path) -> dict[str, Any]:
     """Start ``contender``, measure it, stop it; its figures for this round."""
@@ -207,6 +245,7 @@ def one_round(contender: Contender, args: Any, deadline: h.Deadline,
     try:
         vector = wait_answering(server, url, contender, deadline)
         startup_s = time.monotonic() - started
+        settle_s = settle(server, deadline)
         load(url, contender, 32, args.warmup_s, deadline)
         c1 = load(url, contender, 1, args.duration_s, deadline)
         c32 = measured_c32(server, url, contender, args, deadline)
@@ -222,7 +261,8 @@ def one_round(contender: Contender, args: Any, deadline: h.Deadline,
             "c1_p99_ms": c1["p99_ms"], "c32_p50_ms": c32["result"]["p50_ms"],
             "c32_p99_ms": c32["result"]["p99_ms"], "c32_requests": c32["result"]["requests"],
             "errors": errors, "first_error": c1["first_error"] or c32["result"]["first_error"],
-            "startup_s": round(startup_s, 1), "family_processes": c32["family_processes"],
+            "startup_s": round(startup_s, 1), "settle_s": round(settle_s, 1),
+            "family_processes": c32["family_processes"],
             "family_outside_tree": c32["family_outside_tree"],
             "non_loopback_listeners": listeners, "vector": vector}
 
@@ -302,7 +342,7 @@ def run(args: Any, deadline: h.Deadline, rounds: list[dict[str, Any]],
                   f"{h.fmt(row['c1_p50_ms'], '.1f')} ms, c32 {h.fmt(row['c32_rps'], '.1f')} "
                   f"req/s, {h.fmt(row['cpu_ms_per_request'], '.2f')} CPU ms/req, batch/req "
                   f"{h.fmt(row['mean_batch_per_request'], '.1f')}, {row['errors']} errors, "
-                  f"up in {row['startup_s']} s", flush=True)
+                  f"up in {row['startup_s']} s, settled in {row['settle_s']} s", flush=True)
 
 
 def report(rounds: list[dict[str, Any]], doc: dict[str, Any]) -> None:
