@@ -331,12 +331,27 @@ def print_report(summary: dict[str, dict[str, Any]], ratio_rows: dict[str, Any])
         for name, r in ratio_rows.items()])
 
 
+def with_retry(contender: Contender, args: Any, deadline: h.Deadline, workdir: Path,
+               rnd: int, failures: list[str]) -> dict[str, Any]:
+    """:func:`one_round`, started once more if the contender failed to start or run (Ray's
+    node start times out on an overloaded host); each failure is kept in ``failures``."""
+    try:
+        return one_round(contender, args, deadline, workdir)
+    except RuntimeError as exc:
+        if isinstance(exc, h.DeadlineExceeded):
+            raise
+        failures.append(f"round {rnd} {contender.key}: {str(exc)[-300:]}")
+        print(f"  round {rnd} {contender.label} failed, once more: {str(exc)[-200:]}",
+              flush=True)
+        return one_round(contender, args, deadline, workdir)
+
+
 def run(args: Any, deadline: h.Deadline, rounds: list[dict[str, Any]],
-        workdir: Path) -> None:
+        workdir: Path, failures: list[str]) -> None:
     """Alternating rounds into ``rounds``, each appended as soon as it is measured."""
     for rnd in range(1, args.rounds + 1):
         for contender in CONTENDERS:
-            row = one_round(contender, args, deadline, workdir)
+            row = with_retry(contender, args, deadline, workdir, rnd, failures)
             rounds.append({"round": rnd, **row})
             print(f"  round {rnd}/{args.rounds} {contender.label:<17} c1 p50 "
                   f"{h.fmt(row['c1_p50_ms'], '.1f')} ms, c32 {h.fmt(row['c32_rps'], '.1f')} "
@@ -375,9 +390,11 @@ def main() -> int:
         "contenders": {c.key: c.how for c in CONTENDERS}, "env_kept": list(ENV_KEPT)}}
     errors: list[str] = []
     rounds: list[dict[str, Any]] = []
+    failures: list[str] = doc.setdefault("retried_failures", [])
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as workdir, \
             h.deadline_run(args.deadline_s, errors) as deadline:
-        h.section("throughput", errors, lambda: run(args, deadline, rounds, Path(workdir)))
+        h.section("throughput", errors,
+                  lambda: run(args, deadline, rounds, Path(workdir), failures))
     h.section("report", errors, lambda: report(rounds, doc))
     doc.update(complete=not errors, errors=errors)
     h.write_results("throughput", doc, short=args.short)
