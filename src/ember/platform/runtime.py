@@ -201,7 +201,9 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
     ray.init(
-        address=address,
+        # "local": a cluster of its own. Given None, Ray joins the cluster the machine's
+        # last `ray start` recorded in its temp dir, someone else's on a shared machine.
+        address=address or "local",
         # A local cluster is reachable from this machine only (see control/listeners.py).
         _node_ip_address=None if address else LOOPBACK,
         num_cpus=None if address else (int(num_cpus) if num_cpus else None),
