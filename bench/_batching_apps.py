@@ -130,7 +130,7 @@ def rebatched(cls: type, batch: ember.Batch) -> type:
     A subclass decorated anew: ``@ember.deployment`` reads the routes from the class's own
     namespace, so the route methods are copied into it.
     """
-    from ember.platform.decorator import get_spec
+    from ember.app.decorator import get_spec
 
     routes = {spec.attr: vars(cls)[spec.attr] for spec in get_spec(cls).routes}
     members = {**routes, "__module__": cls.__module__, "__doc__": cls.__doc__}

@@ -16,8 +16,8 @@ import os
 import torch
 
 import ember
+from ember.app.decorator import get_spec
 from ember.deployments.embeddings import Embedding, MiniLM
-from ember.platform.decorator import get_spec
 
 BATCH = ember.Batch(max_size=32, max_wait_ms=5)
 

@@ -58,7 +58,7 @@ def resolved_hints(fn: F) -> F:
 
 def shipped_options(cls: type, **changes: Any) -> dict[str, Any]:
     """The ``@ember.deployment`` options ``cls`` ships with, with ``changes``."""
-    from ember.platform.decorator import get_spec
+    from ember.app.decorator import get_spec
 
     shipped = get_spec(cls).options
     options = {key: getattr(shipped, key) for key in type(shipped).model_fields}
@@ -103,8 +103,8 @@ def start_serve(port: int, preload: tuple[str, ...] = ()) -> str:
     from ray.serve.config import HTTPOptions
 
     from ember import settings
-    from ember.platform.control import warm_runtime
-    from ember.platform.runtime import start_ray
+    from ember.cluster.runtime import start_ray
+    from ember.control import warm_runtime
 
     start_ray(preload=list(preload))
     _PORTS.update(ember=port, plain=free_port())
@@ -119,7 +119,7 @@ def start_serve(port: int, preload: tuple[str, ...] = ()) -> str:
 @contextlib.contextmanager
 def fresh_process_replicas() -> Iterator[None]:
     """Ember deployments deployed inside start their replicas in fresh processes."""
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     original = runtime.to_ray_options
 
@@ -156,8 +156,8 @@ def deploy_ember(app: Any, deadline: Deadline, pool_settle_s: float = 1.5) -> No
     """Deploy Ember ``app`` on its edges and wait until it runs (and its warm pool, if any)."""
     from ray import serve
 
-    from ember.platform.control.pool import POOL_DEPLOYMENT
-    from ember.platform.runtime import build_application
+    from ember.cluster.runtime import build_application
+    from ember.control.pool import POOL_DEPLOYMENT
 
     serve.run(build_application(app, host=HOST, port=_PORTS["ember"]), name=app.name,
               route_prefix=None, blocking=False, logging_config=LOGGING)
@@ -177,7 +177,7 @@ def _wait_warm_runtime(deadline: Deadline) -> None:
     is still importing torch (as ``ember run`` waits before it says it is up).
     """
     from ember import settings
-    from ember.platform.control import warm_runtime
+    from ember.control import warm_runtime
 
     wanted = settings.load().warm_runtime
     if wanted:

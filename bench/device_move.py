@@ -2,7 +2,7 @@
 
 The GPU pool keeps a GPU deployment's tensors in pinned host memory and moves them to the
 device through two pinned staging buffers on the first request at zero
-(``ember.platform.control.device_snapshot``). The peer is what a replica does without it:
+(``ember.control.device_snapshot``). The peer is what a replica does without it:
 ``model.to(device)`` from ordinary (pageable) host tensors. Both move the MiniLM flagship's
 encoder (90 MB of float32); trials alternate; medians and GB/s reported.
 
@@ -24,8 +24,8 @@ from typing import Any
 import _harness as h
 import torch
 
+from ember.control.device_snapshot import DeviceSnapshot
 from ember.deployments.embeddings import load_encoder
-from ember.platform.control.device_snapshot import DeviceSnapshot
 
 
 class _Holder:

@@ -237,7 +237,7 @@ def measure_all(args: argparse.Namespace) -> list[Measure]:
         online = measure_online_local(fn, online_texts, args)
     batched = measure_batched(fn, texts, args)
     del fn  # free the in-process model before the job's workers load theirs
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     # Started after the in-process runs, which it would slow while it boots, and outside
     # the job's time: a cluster exists before a job in production.
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"DeadlineExceeded: {exc}")
     finally:
         h.clear_deadline()
-        from ember.platform import runtime
+        from ember.cluster import runtime
 
         if ray.is_initialized() and not ray_was_up:
             runtime.shutdown()

@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from ember import errors
-from ember.platform.app import App
-from ember.platform.batching import Batch
-from ember.platform.config import DeploymentOptions
-from ember.platform.decorator import deployment, route
-from ember.platform.pipeline import pipeline
+from ember.app.app import App
+from ember.app.batching import Batch
+from ember.app.config import DeploymentOptions
+from ember.app.decorator import deployment, route
+from ember.app.pipeline import pipeline
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     # serve/shutdown need Ray (seconds to import); declaring deployments, the loaders and
     # the CLI's cache commands do not, so Ray is imported on first use only.
     if name in ("serve", "shutdown"):
-        from ember.platform import runtime
+        from ember.cluster import runtime
 
         return runtime.serve_app if name == "serve" else runtime.shutdown
     raise AttributeError(f"module 'ember' has no attribute {name!r}")

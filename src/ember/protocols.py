@@ -9,10 +9,10 @@ Example:
 
 from __future__ import annotations
 
-from ember.platform.http.protocols import Gateway, Protocol
-from ember.platform.http.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
-from ember.platform.http.protocols.openai import OpenAIEmbeddings
-from ember.platform.http.protocols.openai_generation import (
+from ember.edge.protocols import Gateway, Protocol
+from ember.edge.protocols.oip import OpenInferenceProtocol, TensorModel, TensorSpec
+from ember.edge.protocols.openai import OpenAIEmbeddings
+from ember.edge.protocols.openai_generation import (
     ChatMessage,
     GenerateRequest,
     OpenAIGeneration,

@@ -16,7 +16,7 @@ from support import free_port
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     # Set before Ray starts so that every worker inherits it (see apps/faults.py).
     os.environ["EMBER_TEST_STATE_DIR"] = str(tmp_path_factory.mktemp("replica-state"))

@@ -77,7 +77,7 @@ def _every_edge_on(url: str, weights: dict[str, int]) -> bool:
 
 
 def _lease(deployment: str) -> dict[str, Any] | None:
-    from ember.platform.control.floors import LeaseStore
+    from ember.control.floors import LeaseStore
 
     return LeaseStore(APP).get(deployment)
 

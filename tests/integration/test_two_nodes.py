@@ -27,10 +27,10 @@ import pytest
 import ember
 from ember.cli import main
 from ember.cli.cache_nodes import Node, collect, submit
+from ember.cluster.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
+from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
+from ember.edge.edge import EDGE_DEPLOYMENT
 from ember.loaders import LoaderConfig, list_snapshots
-from ember.platform.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
-from ember.platform.http.edge import EDGE_DEPLOYMENT
-from ember.platform.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
 
 from apps.two_nodes import app, near_app
 from loaders.origins import HttpOrigin, handler_for, make_weights, s3_options
@@ -90,7 +90,7 @@ def cluster(stores: Stores) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     if ray.is_initialized():
         pytest.skip("needs a pytest run of its own: this process already joined a Ray cluster")
@@ -230,7 +230,7 @@ def test_the_kubernetes_serve_config_deploys_the_app_on_the_cluster(cluster_url:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    from ember.platform import k8s
+    from ember.cluster import k8s
 
     serve.delete(app.name)
     port = free_port()

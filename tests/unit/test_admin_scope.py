@@ -8,9 +8,9 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from ember.platform.config import DeploymentOptions
-from ember.platform.http.auth import ApiKeys, AuthMiddleware
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.app.config import DeploymentOptions
+from ember.edge.auth import ApiKeys, AuthMiddleware
+from ember.edge.ingress import IngressState, build_fastapi
 
 INVOKE, ADMIN = "invoke-0123456789abcdef", "admin-0123456789abcdef"
 

@@ -17,11 +17,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from ember.edge._asgi import GuardMiddleware
+from ember.edge._strict_json import ContentEncodingMiddleware, HeaderLimitMiddleware
+from ember.edge.auth import ApiKeys, AuthMiddleware, Unauthorized, bearer_token, key_id
+from ember.edge.ratelimit import RateLimitMiddleware
 from ember.errors import ConfigError
-from ember.platform.http._asgi import GuardMiddleware
-from ember.platform.http._strict_json import ContentEncodingMiddleware, HeaderLimitMiddleware
-from ember.platform.http.auth import ApiKeys, AuthMiddleware, Unauthorized, bearer_token, key_id
-from ember.platform.http.ratelimit import RateLimitMiddleware
 
 KEY = "ek-live-7f3a9c2e5b8d4f1a6c0e9b2d"
 OTHER_KEY = "ek-live-0b1c2d3e4f5a6b7c8d9e0f1a"

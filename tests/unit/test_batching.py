@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from ember.platform.batching import LIST_CODEC, TENSOR_CODEC, Batch, make_batcher
+from ember.app.batching import LIST_CODEC, TENSOR_CODEC, Batch, make_batcher
 
 
 class Recorder:

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from ember.cli import main
-from ember.errors import ConfigError
-from ember.platform.capacity import (
+from ember.cluster.capacity import (
     ColdPath,
     CostCurve,
     cold_paths_from_results,
@@ -18,6 +17,7 @@ from ember.platform.capacity import (
     largest_batch,
     plan_capacity,
 )
+from ember.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 #: T(b) = 20 + 5 b ms: a batch of 16 takes 100 ms and serves 160 items/s.

@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ember.app.targets import load_app
 from ember.cli import build_parser, main
 from ember.cli.cache import Filled
 from ember.cli.cache_nodes import describe_fill
 from ember.cli.serve import parse_traffic, render_status
 from ember.errors import ConfigError
 from ember.loaders import LoaderConfig, list_snapshots, load, resolve
-from ember.platform.targets import load_app
 
 
 def test_every_subcommand_is_registered() -> None:

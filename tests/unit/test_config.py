@@ -7,9 +7,9 @@ import torch
 from pydantic import BaseModel
 
 import ember
+from ember.app.config import DeploymentOptions, to_ray_options
+from ember.app.decorator import get_spec
 from ember.errors import ConfigError
-from ember.platform.config import DeploymentOptions, to_ray_options
-from ember.platform.decorator import get_spec
 
 
 class In(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typing
 
 import ember
-from ember.platform.config import DeploymentKwargs, DeploymentOptions
+from ember.app.config import DeploymentKwargs, DeploymentOptions
 
 
 def test_typed_keywords_are_exactly_the_options_fields() -> None:

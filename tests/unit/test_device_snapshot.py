@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from ember.platform.control.coldstart import ReplicaTimeline, report
-from ember.platform.control.device_snapshot import DeviceSnapshot
+from ember.control.coldstart import ReplicaTimeline, report
+from ember.control.device_snapshot import DeviceSnapshot
 
 KIB = 1024
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
 from ember import errors
-from ember.platform.http._asgi import GuardMiddleware, install_error_handlers
+from ember.edge._asgi import GuardMiddleware, install_error_handlers
 
 
 def test_errors_carry_status_and_keyword_messages() -> None:

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from ember.cli.serve import plan_rows
-from ember.platform.control import floors
-from ember.platform.control.ray_policy import EmberAutoscalingPolicy
+from ember.control import floors
+from ember.control.ray_policy import EmberAutoscalingPolicy
 
 UTC = UTC
 

@@ -13,8 +13,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.types import Message, Scope
 
-from ember.errors import ConfigError, MalformedJSON
-from ember.platform.http._strict_json import (
+from ember.edge._strict_json import (
     ContentEncodingMiddleware,
     HeaderLimitMiddleware,
     HeadersTooLarge,
@@ -24,6 +23,7 @@ from ember.platform.http._strict_json import (
     nesting_depth,
     parse_json,
 )
+from ember.errors import ConfigError, MalformedJSON
 
 DEEP = 100_000
 MiB = 1 << 20

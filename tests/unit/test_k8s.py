@@ -15,9 +15,9 @@ from ray.serve.schema import ServeDeploySchema
 
 import ember
 from ember.cli import main
+from ember.cluster import build, k8s, runtime
+from ember.cluster.k8s import ClusterShape, Replica, nodes_needed
 from ember.errors import ConfigError
-from ember.platform import cluster, k8s, runtime
-from ember.platform.k8s import ClusterShape, Replica, nodes_needed
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "rayservice.v1.json").read_text())
 FLAGSHIP = "ember.deployments.embeddings:app"

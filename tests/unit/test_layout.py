@@ -26,7 +26,7 @@ def test_public_surface_is_listed() -> None:
 
 def test_imports_run_one_way() -> None:
     # import-linter's contracts live in pyproject.toml: cli -> offline -> platform -> loaders
-    # -> settings -> errors, and ember.platform.control never imports ember.platform.http.
+    # -> settings -> errors, and ember.control never imports ember.edge.
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

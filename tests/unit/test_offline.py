@@ -219,7 +219,7 @@ class Docs:
 
 
 def _route(cls: type) -> Any:
-    from ember.platform.decorator import get_spec
+    from ember.app.decorator import get_spec
 
     return get_spec(cls).routes[0]
 

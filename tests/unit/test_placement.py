@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember.platform.control.placement import replica_shape, unplaceable
+from ember.control.placement import replica_shape, unplaceable
 
 
 def test_the_issue_example_reads_as_promised() -> None:

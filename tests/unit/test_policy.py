@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ember.platform.control.policy import PolicyContext, clamp, decide, demand
+from ember.control.policy import PolicyContext, clamp, decide, demand
 
 
 @dataclass
@@ -116,7 +116,7 @@ def test_scale_up_is_immediate_even_during_quiet_window() -> None:
 
 
 def test_a_replica_in_a_pre_started_worker_reports_no_start_or_import() -> None:
-    from ember.platform.control.coldstart import ReplicaTimeline, report
+    from ember.control.coldstart import ReplicaTimeline, report
 
     # The worker existed (torch imported) 60 s before the request; Serve made it the
     # replica 0.4 s after the request arrived; setup took 0.1 s.

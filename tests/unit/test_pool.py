@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ember
+from ember.app.decorator import get_spec
+from ember.control.pool import EmberPool, PoolAnswer, model_bytes
 from ember.errors import ConfigError
-from ember.platform.control.pool import EmberPool, PoolAnswer, model_bytes
-from ember.platform.decorator import get_spec
 
 T = TypeVar("T")
 MIB = 1 << 20

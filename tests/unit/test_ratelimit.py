@@ -11,14 +11,14 @@ import pytest
 from fastapi import FastAPI
 from starlette.responses import JSONResponse
 
-from ember.errors import ConfigError
-from ember.platform.http.auth import ApiKeys, AuthMiddleware
-from ember.platform.http.ratelimit import (
+from ember.edge.auth import ApiKeys, AuthMiddleware
+from ember.edge.ratelimit import (
     RateLimited,
     RateLimiter,
     RateLimitMiddleware,
     TokenBucket,
 )
+from ember.errors import ConfigError
 
 KEY_A = "ek-test-aaaaaaaaaaaaaaaaaaaaaaaa"
 KEY_B = "ek-test-bbbbbbbbbbbbbbbbbbbbbbbb"

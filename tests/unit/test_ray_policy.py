@@ -12,9 +12,9 @@ from ray.serve import autoscaling_policy as ray_policy
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from ember.platform.config import DeploymentOptions, to_ray_options
-from ember.platform.control import ray_policy as _installs_hook  # noqa: F401  (installs the cold-start hook)
-from ember.platform.control.ray_policy import EmberAutoscalingPolicy
+from ember.app.config import DeploymentOptions, to_ray_options
+from ember.control import ray_policy as _installs_hook  # noqa: F401  (installs the cold-start hook)
+from ember.control.ray_policy import EmberAutoscalingPolicy
 
 
 def _context(config: AutoscalingConfig, *, running: int, target: int, total: float,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ember.control import rollout as ro
+from ember.control.rollout import Rollout, RolloutSpec, Tally
 from ember.errors import BadRequest
-from ember.platform.control import rollout as ro
-from ember.platform.control.rollout import Rollout, RolloutSpec, Tally
 
 SPEC = RolloutSpec("Embed", to="2", stable="1", steps=(5, 25, 50, 100), every_s=60,
                    max_error_rate=0.01, max_p99_ratio=1.5, min_requests=20)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
+from ember.control.shadow import Shadow, distance, parse_shadow
 from ember.errors import BadRequest
-from ember.platform.control.shadow import Shadow, distance, parse_shadow
 
 
 @pytest.mark.parametrize(("body", "param"), [

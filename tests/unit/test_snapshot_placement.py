@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 import ember
+from ember.app.config import DeploymentOptions, to_ray_options
+from ember.control.snapshot_placement import held_here, prefer_nodes
 from ember.errors import ConfigError
 from ember.loaders import LoaderConfig, preload_snapshot, snapshot_key
-from ember.platform.config import DeploymentOptions, to_ray_options
-from ember.platform.control.snapshot_placement import held_here, prefer_nodes
 
 
 def test_replicas_prefer_the_holders_and_fall_back_to_any_node() -> None:

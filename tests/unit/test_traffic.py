@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 import ember
+from ember.control.traffic import Traffic, choose, parse_weights, stable_only
 from ember.errors import BadRequest, ConfigError
-from ember.platform.control.traffic import Traffic, choose, parse_weights, stable_only
 
 VERSIONS = ["1", "2"]
 

@@ -1,6 +1,6 @@
 """``ember deploy APP --k8s``: print the KubeRay ``RayService`` that serves an app.
 
-The manifest is built by ``platform/k8s.py`` from the app's deployments and this process's
+The manifest is built by ``cluster/k8s.py`` from the app's deployments and this process's
 ``EMBER_*`` settings; apply it with ``kubectl apply -f -``. The app is imported here only to
 read its deployments: on the cluster, Ray Serve imports it again from the image.
 """
@@ -17,8 +17,8 @@ from ember.errors import ConfigError
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from ember.platform import k8s
-    from ember.platform.targets import load_app
+    from ember.app.targets import load_app
+    from ember.cluster import k8s
 
     if not args.k8s:
         print("ember deploy writes a Kubernetes manifest: add --k8s. To serve on a running "

@@ -1,6 +1,6 @@
 """``ember rollout`` and ``ember rollback``: stepped rollouts of a version, run in the cluster.
 
-The CLI only asks: the rollout runs in the cluster (``platform/http/rollouts.py``) and goes
+The CLI only asks: the rollout runs in the cluster (``edge/rollouts.py``) and goes
 on after the command exits. ``ember rollout Embed --status`` reads where it is.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 from ember import settings
 from ember.cli.serve import _admin_json
-from ember.platform.control.floors import parse_duration
-from ember.platform.runtime import DEFAULT_HOST, default_port
+from ember.cluster.runtime import DEFAULT_HOST, default_port
+from ember.control.floors import parse_duration
 
 
 def parse_steps(text: str) -> list[int]:

@@ -18,14 +18,14 @@ from typing import Any
 import httpx
 
 from ember import settings
+from ember.app.targets import load_app
+from ember.cluster import capacity
+from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
-from ember.platform import capacity
-from ember.platform.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
-from ember.platform.targets import load_app
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ember.platform import runtime
+    from ember.cluster import runtime
 
     app = load_app(args.target)
     stop = threading.Event()

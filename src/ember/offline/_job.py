@@ -11,6 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ember.app.app import App
+from ember.app.decorator import DeploymentSpec, RouteSpec, get_spec
+from ember.app.targets import import_module_ref
 from ember.errors import (
     ConfigError,
     InputError,
@@ -28,9 +31,6 @@ from ember.offline._sink import (
     gather_errors,
     write_summary,
 )
-from ember.platform.app import App
-from ember.platform.decorator import DeploymentSpec, RouteSpec, get_spec
-from ember.platform.targets import import_module_ref
 
 
 @dataclass(frozen=True)
@@ -290,8 +290,8 @@ def _run_pending(pending: list[Shard], input_plan: InputPlan, opts: OfflineOptio
     Returns:
         When (``time.monotonic()``) the first mapped rows arrived.
     """
+    from ember.cluster import runtime
     from ember.offline._raydata import block_bytes, build_dataset, job_context
-    from ember.platform import runtime
 
     runtime.start_ray()
     assembler = ShardAssembler(pending, store, opts.output_format)

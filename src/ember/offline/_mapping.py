@@ -27,8 +27,8 @@ import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-igno
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_json
 
+from ember.app.decorator import RouteSpec
 from ember.errors import ConfigError, HandlerContract, OfflineError
-from ember.platform.decorator import RouteSpec
 
 InputMode = Literal["column", "row", "model", "tensor"]
 #: Columns Ember adds to every output row; a handler's output may not use these names.

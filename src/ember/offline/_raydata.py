@@ -12,14 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ember.app.decorator import DeploymentSpec, RouteSpec
+from ember.cluster.runtime import SYNC_HANDLE_ENV
 from ember.errors import OfflineError
 from ember.offline._config import OfflineOptions
 from ember.offline._mapping import InputPlan, LocalMapper
 from ember.offline._reader import ShardSource
 from ember.offline._shards import Shard
 from ember.offline._share import OnlineMapper, online_app
-from ember.platform.decorator import DeploymentSpec, RouteSpec
-from ember.platform.runtime import SYNC_HANDLE_ENV
 
 #: CPUs of a worker that only forwards batches to online replicas.
 _SHARE_WORKER_CPUS = 0.1

@@ -31,7 +31,7 @@ from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from ember.platform.control.pool import PoolAnswer
+from ember.control.pool import PoolAnswer
 
 #: What a fake replica runs for ``ember_call``: the call's arguments in, the result out.
 Handler = Callable[..., Awaitable[Any]]

@@ -18,6 +18,11 @@ from ray.serve.exceptions import BackPressureError
 from serve_fakes import FakeHandle, as_handle, hang, pool_of, replica_of, scripted
 
 import ember
+from ember.app.decorator import RouteSpec, get_spec
+from ember.control.pool import PoolAnswer
+from ember.edge._dispatch import Dispatcher, Outcome
+from ember.edge._metrics import Metrics
+from ember.edge._state import LoadTracker
 from ember.errors import (
     DeploymentUnavailable,
     InvalidBody,
@@ -25,11 +30,6 @@ from ember.errors import (
     RequestTimeout,
     UserCodeError,
 )
-from ember.platform.control.pool import PoolAnswer
-from ember.platform.decorator import RouteSpec, get_spec
-from ember.platform.http._dispatch import Dispatcher, Outcome
-from ember.platform.http._metrics import Metrics
-from ember.platform.http._state import LoadTracker
 
 T = TypeVar("T")
 #: Every test finishes in well under this; a regression fails fast instead of hanging.

@@ -22,9 +22,9 @@ from ray.serve.exceptions import BackPressureError
 from serve_fakes import FakeHandle, as_handle, pool_of, replica_of
 
 import ember
-from ember.platform.http._asgi import COLD_START_HEADER
-from ember.platform.http.auth import ApiKeys
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.edge._asgi import COLD_START_HEADER
+from ember.edge.auth import ApiKeys
+from ember.edge.ingress import IngressState, build_fastapi
 
 KEY = "ek-test-5b8d4f1a6c0e9b2d7f3a9c2e"
 LIMIT = 64

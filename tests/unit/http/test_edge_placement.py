@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from ember.platform.http.edge import edge_placement, listening_socket
+from ember.edge.edge import edge_placement, listening_socket
 
 
 @pytest.mark.parametrize(("nodes", "expected"), [(1, (2, 2)), (2, (2, 1)), (5, (5, 1))])

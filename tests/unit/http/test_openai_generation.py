@@ -18,7 +18,7 @@ from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_engine import EngineConfig
 from ember.deployments._tinylm import TinyLM, TinyLMConfig
 from ember.deployments.textgen import Generator
-from ember.platform.http._asgi import install_error_handlers
+from ember.edge._asgi import install_error_handlers
 from ember.protocols import GenerateRequest, OpenAIGeneration
 
 MODEL = "tiny"

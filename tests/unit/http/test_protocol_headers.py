@@ -10,9 +10,9 @@ import httpx
 from serve_fakes import FakeHandle, as_handle, pool_of, replica_of
 
 import ember
-from ember.platform.http._asgi import COLD_START_HEADER
-from ember.platform.http.auth import ApiKeys
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.edge._asgi import COLD_START_HEADER
+from ember.edge.auth import ApiKeys
+from ember.edge.ingress import IngressState, build_fastapi
 from ember.protocols import OpenAIEmbeddings
 
 

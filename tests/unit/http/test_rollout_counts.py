@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ember.platform.http._metrics import Metrics
-from ember.platform.http.rollouts import counts_from, running_from
+from ember.edge._metrics import Metrics
+from ember.edge.rollouts import counts_from, running_from
 
 
 def _exposition(observations: list[tuple[str, str, str, float]]) -> str:

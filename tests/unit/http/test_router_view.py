@@ -9,7 +9,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve._private.config import DeploymentConfig
 from ray.serve._private.router import RouterMetricsManager
 
-from ember.platform.http._router_view import push_fresh_demand_at_zero
+from ember.edge._router_view import push_fresh_demand_at_zero
 
 
 class _Metric:

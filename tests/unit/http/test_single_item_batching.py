@@ -11,8 +11,8 @@ from pydantic import BaseModel
 from serve_fakes import FakeHandle, as_handle, replica_of
 
 import ember
-from ember.platform.http.auth import ApiKeys
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.edge.auth import ApiKeys
+from ember.edge.ingress import IngressState, build_fastapi
 
 
 class Doc(BaseModel):

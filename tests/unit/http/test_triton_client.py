@@ -18,8 +18,8 @@ import uvicorn
 from serve_fakes import FakeHandle, as_handle, replica_of
 
 import ember
-from ember.platform.http.auth import ApiKeys
-from ember.platform.http.ingress import IngressState, build_fastapi
+from ember.edge.auth import ApiKeys
+from ember.edge.ingress import IngressState, build_fastapi
 from ember.protocols import OpenInferenceProtocol, TensorModel, TensorSpec
 
 tritonclient_http = pytest.importorskip("tritonclient.http")

@@ -1,0 +1,152 @@
+"""The Ray Serve deployment class that hosts one user class per replica.
+
+``replica_class(spec)`` builds a small wrapper that constructs the user's class, runs its
+``setup()`` before Ray Serve marks the replica ready (so a replica is never routable before
+its weights are loaded), and dispatches ``ember_call(attr, body)`` to the handler. Sync
+handlers run in a worker thread so the replica's event loop keeps answering health checks,
+batching and cancellations while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from ember.app.batching import LIST_CODEC, TENSOR_CODEC, BatchFn, make_batcher
+from ember.app.decorator import DeploymentSpec
+from ember.control import coldstart
+from ember.control.coldstart import ReplicaTimeline
+from ember.control.listeners import bind_replica_grpc_to_node_ip
+
+_DONE = object()
+
+logger = logging.getLogger("ember.replica")
+
+
+def hide_gpus_unless_asked(num_gpus: float) -> None:
+    """Give a process that reserved no GPU an empty ``CUDA_VISIBLE_DEVICES``.
+
+    Ray stopped doing this itself (2.4x): a ``num_gpus=0`` replica on a GPU node would see
+    every GPU, and code that picks CUDA when available would run there, on memory another
+    replica reserved. Set before anything initializes CUDA in the process; torch reads the
+    variable then, not at import.
+    """
+    if num_gpus > 0:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        logger.warning("CUDA was initialized before the replica started; GPUs stay visible")
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+    """Await an async handler, or run a sync one in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _batch_runner(fn: Callable[..., Any]) -> BatchFn:
+    async def run(batch: Any) -> Any:
+        return await call_user(fn, batch)
+
+    return run
+
+
+class ReplicaCore:
+    """The per-replica dispatcher, kept apart from Ray so it can be unit-tested."""
+
+    timeline: ReplicaTimeline
+
+    def __init__(self, spec: DeploymentSpec, impl: Any) -> None:
+        self.spec = spec
+        self.impl = impl
+        self.routes = {r.attr: r for r in spec.routes}
+        self._submit: dict[str, Callable[[Any], Awaitable[Any]]] = {}
+        batch = spec.options.batch
+        if batch is not None:
+            for route in spec.routes:
+                if route.kind in ("batch", "tensor"):
+                    runner = _batch_runner(getattr(impl, route.attr))
+                    codec = TENSOR_CODEC if route.kind == "tensor" else LIST_CODEC
+                    self._submit[route.attr] = make_batcher(runner, batch, codec)
+
+    def _handler(self, attr: str) -> Callable[..., Any]:
+        if attr not in self.routes:  # only routes, never arbitrary attributes
+            raise AttributeError(f"{self.spec.name} has no route handler {attr!r}")
+        return getattr(self.impl, attr)  # type: ignore[no-any-return]
+
+    async def call(self, attr: str, body: Any) -> Any:
+        fn = self._handler(attr)
+        submit = self._submit.get(attr)
+        if submit is None:
+            return await call_user(fn, *(() if body is None else (body,)))
+        return await submit(body)
+
+    async def stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
+        fn = self._handler(attr)
+        produced = fn(*(() if body is None else (body,)))
+        if inspect.isasyncgen(produced):
+            async for chunk in produced:
+                yield chunk
+            return
+        while (chunk := await asyncio.to_thread(next, produced, _DONE)) is not _DONE:
+            yield chunk
+
+
+async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> ReplicaCore:
+    """Construct the user's class, run ``setup()`` then ``warmup()``, timing each."""
+    timeline = ReplicaTimeline(process_started_at=coldstart.process_started_at(),
+                               imported_at=coldstart.IMPORTED_AT, init_started_at=time.time(),
+                               prewarmed=prewarmed)
+    started = time.monotonic()
+    impl = spec.cls()
+    setup = getattr(impl, "setup", None)
+    if setup is not None:
+        await call_user(setup)
+    timeline.setup_s = time.monotonic() - started
+    warmup = getattr(impl, "warmup", None)
+    if warmup is not None:  # first forward pass, before the replica reports ready
+        started = time.monotonic()
+        await call_user(warmup)
+        timeline.warmup_s = time.monotonic() - started
+    timeline.ready_at = time.time()
+    core = ReplicaCore(spec, impl)
+    core.timeline = timeline
+    return core
+
+
+def replica_class(spec: DeploymentSpec) -> type:
+    """Return the class Ray Serve deploys for ``spec``."""
+
+    class EmberReplica:
+        async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
+            bind_replica_grpc_to_node_ip()
+            hide_gpus_unless_asked(spec.options.num_gpus)
+            self._core = await instantiate(spec)
+
+        async def ember_call(self, attr: str, body: Any) -> Any:
+            return await self._core.call(attr, body)
+
+        async def ember_stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
+            async for chunk in self._core.stream(attr, body):
+                yield chunk
+
+        async def ember_ping(self) -> dict[str, Any]:
+            """Cheap call that wakes a cold deployment and reports how its replica started."""
+            return self._core.timeline.as_dict()
+
+        async def check_health(self) -> None:
+            check = getattr(self._core.impl, "check_health", None)
+            if check is not None:
+                await call_user(check)
+
+    EmberReplica.__name__ = EmberReplica.__qualname__ = f"EmberReplica_{spec.name}"
+    return EmberReplica

@@ -1,0 +1,222 @@
+"""The warm runtime: idle worker processes that already imported torch and the app's modules.
+
+A deployment's own replica from zero spends most of its cold start before ``setup()``: Ray
+starts a Python worker (about a second here) and unpickling the replica's class imports
+torch and the app (two to five seconds on a small machine). Neither depends on the request.
+So Ember keeps a few idle Ray workers that paid both already, and Ray's raylet hands one of
+them to the next replica it creates: the replica runs only ``setup()`` (weights mapped from
+the node's snapshot) and ``warmup()``.
+
+This is not the warm pool. A warm-runtime process answers for no deployment: it holds no
+model, and it becomes a replica only when Serve's controller starts one. A request that
+meets it is still a cold start, measured as one (``queue`` covers Serve's scale-up and the
+actor's creation; ``start`` and ``import`` are zero).
+
+Two Ray mechanisms, both set when Ember starts the local cluster:
+
+* ``preload_python_modules`` (a raylet setting): every Python worker the raylet starts
+  imports these modules before it accepts work. Every worker pays it, the edges and Serve's
+  controller included (``bench/coldstart.py`` records an idle worker's resident memory).
+* The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
+  ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
+  environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
+  A worker that became a replica (or an edge, or a task) is gone from the idle set, so
+  :class:`Refiller` tops the node's idle workers back up every second.
+
+Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
+it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
+joins (``RAY_ADDRESS``), set ``preload_python_modules`` where ``ray start`` runs
+(``--system-config``); Ember does not prestart workers there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+logger = logging.getLogger("ember.warm_runtime")
+
+#: Idle pre-started workers are kept this long (then Ray's idle-worker rules apply again).
+KEEP_ALIVE_S = 24 * 3600
+_REFILL_EVERY_S = 1.0
+#: A used worker is replaced this long after it was taken: a new worker importing torch
+#: competes for the cores with the cold start that just took the old one.
+_REFILL_AFTER_S = 3.0
+
+
+#: What every replica imports whatever the app: torch (and its operators run once), Serve's
+#: replica actor (1.2 s of imports on its own, measured here) and Ember's replica code.
+_BASE_MODULES = ("torch", "ember.control.torch_warm", "ray.serve._private.replica",
+                 "ember.control.replica")
+#: Runs after every other preload: it freezes what they allocated (see its doc).
+_LAST = "ember.control.settle_heap"
+
+
+def preload_modules(modules: Iterable[str]) -> list[str]:
+    """Modules a warm-runtime worker imports: torch, Serve's and Ember's replica code, the
+    app's."""
+    wanted = [*_BASE_MODULES, *modules]
+    ordered = [m for m in dict.fromkeys(wanted) if m and m != "__main__" and m != _LAST]
+    return [*ordered, _LAST]
+
+
+def system_config(modules: Iterable[str]) -> dict[str, Any]:
+    """The raylet settings of a local cluster whose workers preload ``modules``."""
+    return {"preload_python_modules": preload_modules(modules)}
+
+
+def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:
+    """Ask this node's raylet to start ``count`` idle Python workers of this job now.
+
+    Must run in the process that started the local cluster (it knows the raylet's port).
+
+    Raises:
+        Exception: whatever Ray raises when its internals differ from 2.60's.
+    """
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.core.generated import runtime_environment_pb2 as runtime_env_pb2
+
+    # Ray's generated protobuf modules carry no type information.
+    common: Any = common_pb2
+    manager: Any = node_manager_pb2
+    env_pb2: Any = runtime_env_pb2
+    grpc_stubs: Any = node_manager_pb2_grpc
+    worker: Any = ray._private.worker.global_worker
+    channel = init_grpc_channel(f"{worker.node.node_ip_address}:{worker.node.node_manager_port}")
+    try:
+        request = manager.PrestartWorkersRequest(
+            language=common.PYTHON,
+            job_id=worker.current_job_id.binary(),
+            # Replicas of an embedded Ember app have no runtime environment: "{}".
+            runtime_env_info=env_pb2.RuntimeEnvInfo(serialized_runtime_env="{}"),
+            keep_alive_duration_secs=keep_alive_s,
+            num_workers=count,
+        )
+        grpc_stubs.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    finally:
+        channel.close()
+
+
+def _raylet_children() -> list[Any]:
+    import psutil
+    import ray
+    from ray._private import ray_constants
+
+    node: Any = ray._private.worker._global_node
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return list(psutil.Process(raylet).children())
+
+
+def _is_worker(process: Any) -> bool:
+    return any("default_worker.py" in part for part in process.cmdline())
+
+
+def idle_workers() -> int:
+    """Python workers of this node's raylet that are idle or still starting.
+
+    Ray names a worker's process ``ray::IDLE`` once it has registered, ``ray::<task>`` once
+    it runs something, and leaves the interpreter's name before it registers. Only the
+    process that started the local cluster can see its raylet.
+    """
+    import psutil
+
+    count = 0
+    for child in _raylet_children():
+        try:
+            name = child.name()
+            count += name == "ray::IDLE" or (not name.startswith("ray::") and _is_worker(child))
+        except psutil.Error:  # exited meanwhile
+            continue
+    return count
+
+
+def settled_idle_workers(sample_s: float = 0.3) -> int:
+    """Idle workers that have finished their imports.
+
+    A worker takes the name ``ray::IDLE`` before it imports the preloaded modules, so the
+    name alone does not say it is ready; one that is still importing is busy on a core. One
+    that used under 2% of a core over ``sample_s`` has settled.
+    """
+    import psutil
+
+    before: dict[int, tuple[Any, float]] = {}
+    for child in _raylet_children():
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "ray::IDLE":
+                before[child.pid] = (child, _cpu_s(child))
+    time.sleep(sample_s)
+    settled = 0
+    for child, cpu_s in before.values():
+        with contextlib.suppress(psutil.Error):
+            used = _cpu_s(child) - cpu_s
+            settled += child.name() == "ray::IDLE" and used < 0.02 * sample_s
+    return settled
+
+
+def _cpu_s(process: Any) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+class Refiller:
+    """Keeps ``idle`` workers idle or starting on the node: the ones new replicas take.
+
+    Runs in the process that started the local cluster, in a daemon thread.
+    """
+
+    def __init__(self, idle: int) -> None:
+        self.idle = idle
+        self._failing = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ember-warm-runtime")
+
+    def start(self) -> None:
+        if self.idle > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until ``idle`` workers have finished their imports; False after ``timeout_s``.
+
+        Called before a server says it is up, so that its first cold start meets the warm
+        runtime rather than workers still importing torch.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self.idle > 0 and self._thread.is_alive() and not self._failing:
+                if settled_idle_workers() >= self.idle:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+        except Exception:  # the raylet's processes unreadable: serve without waiting
+            logger.debug("cannot see the raylet's workers", exc_info=True)
+            return False
+        return self.idle == 0
+
+    def _run(self) -> None:
+        short_since: float | None = None
+        while True:
+            try:
+                missing = self.idle - idle_workers()
+                now = time.monotonic()
+                short_since = (short_since or now) if missing > 0 else None
+                if short_since is not None and (now - short_since >= _REFILL_AFTER_S
+                                                or missing == self.idle):
+                    prestart(missing)
+                    short_since = None
+                self._failing = False
+            except Exception:  # a busy raylet may time out; retry, but say so only once
+                if not self._failing:
+                    logger.warning("warm runtime: prestarting Ray workers failed; new "
+                                   "replicas start fresh processes meanwhile", exc_info=True)
+                self._failing = True
+            if self._stop.wait(_REFILL_EVERY_S):
+                return

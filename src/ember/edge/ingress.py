@@ -1,0 +1,485 @@
+"""The ingress app: one FastAPI app in front of every deployment of an ``ember.App``.
+
+Each edge (``edge.py``) serves it: it validates a request (size, JSON, types), routes it
+through a ``DeploymentHandle`` (see ``_dispatch.py``) and answers with the right status.
+Scaling from zero needs nothing here: the handle holds the request while Ray Serve's
+controller, driven by Ember's policy, starts replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import inspect
+import json
+import logging
+import os
+import time
+import typing
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from prometheus_client import CollectorRegistry
+from pydantic import TypeAdapter
+from pydantic_core import to_jsonable_python
+from ray.serve.handle import DeploymentHandle
+
+from ember import settings
+from ember.app.config import DeploymentOptions, check_name
+from ember.app.decorator import RouteSpec
+from ember.control import floors, placement, pool
+from ember.edge._asgi import (
+    COLD_START_HEADER,
+    ColdStartHeaderMiddleware,
+    GuardMiddleware,
+    error_body,
+    install_error_handlers,
+    note_cold_start,
+    note_header,
+    request_id_of,
+)
+from ember.edge._dispatch import Dispatcher
+from ember.edge._metrics import EdgeBoard, Metrics
+from ember.edge._state import LoadTracker
+from ember.edge._strict_json import (
+    ContentEncodingMiddleware,
+    HeaderLimitMiddleware,
+    parse_json,
+)
+from ember.edge.auth import ApiKeys, AuthMiddleware
+from ember.edge.protocols import Protocol
+from ember.edge.ratelimit import RateLimiter, RateLimitMiddleware
+from ember.edge.rollouts import add_rollout_routes
+from ember.edge.versions import VERSION_HEADER, Versions, add_traffic_routes
+from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
+
+logger = logging.getLogger("ember.ingress")
+
+_STATUS_POLL_S = 1.0
+_FAST_POLL_S = 0.25
+_PUBLISH_EVERY_S = 1.0
+_DEFAULT_BODY_LIMIT = 1 << 20
+
+
+class IngressState:
+    """Everything the ingress app needs, built once per ingress replica."""
+
+    def __init__(self, app_name: str, routes: list[RouteSpec],
+                 options: dict[str, DeploymentOptions], handles: dict[str, DeploymentHandle[Any]],
+                 timeouts: dict[str, float], protocols: tuple[Protocol, ...] = (),
+                 pool: DeploymentHandle[Any] | None = None,
+                 pool_names: frozenset[str] = frozenset(),
+                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None, *,
+                 gpu_pool: DeploymentHandle[Any] | None = None,
+                 gpu_pool_names: frozenset[str] = frozenset(),
+                 versions: dict[str, tuple[str, ...]] | None = None,
+                 labels: dict[str, str] | None = None) -> None:
+        self.app_name = app_name
+        # Read in the process that deploys (where the operator set them); only key digests
+        # travel to the ingress.
+        self.keys = keys if keys is not None else ApiKeys([])
+        self.limiter = limiter
+        self.options = options
+        self.max_lease_s = settings.load().max_lease_s
+        self.routes = routes
+        self.protocols = protocols
+        self.metrics = Metrics()
+        #: Set by the edge that serves this state: the other edges' metrics and status.
+        self.board: EdgeBoard | None = None
+        self._published_at = -_PUBLISH_EVERY_S
+        self.tracker = LoadTracker(options, self.metrics)
+        self.dispatcher = Dispatcher(handles, options, self.tracker, timeouts, pool, pool_names,
+                                     gpu_pool, gpu_pool_names)
+        self.tracker.pool_expected = pool is not None
+        self.tracker.gpu_pool_expected = gpu_pool is not None
+        self._limits = {r.path: options[r.deployment].max_request_bytes for r in routes}
+        self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
+        self._deployment_of = {r.path: r.deployment for r in routes}
+        self.versions = Versions(app_name, versions or {r.deployment: (r.deployment,)
+                                                        for r in routes if not r.chain},
+                                 labels or {})
+
+    def limit_for(self, path: str) -> int:
+        return self._limits.get(path, self._default_limit)
+
+    def on_reject(self, path: str, reason: str) -> None:
+        self.metrics.rejected.labels(self._deployment_of.get(path, "-"), reason).inc()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "app": self.app_name,
+            "ready": self.tracker.ready(),
+            "deployments": [{**load.as_dict(), **self.versions.row(load.name)}
+                            for load in self.tracker.loads.values()],
+            # Which edge answered, and how many run: what an operator (or a chaos test)
+            # needs to see the edges come back.
+            "edges": {"running": self.tracker.edges_running, "pid": os.getpid()},
+        }
+
+    # The Gateway protocol adapters use.
+    async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+        outcome = await self.dispatcher.call_attr(deployment, attr, body, request_id)
+        if outcome.cold is not None:
+            note_cold_start(outcome.cold.header())
+        return outcome.value
+
+    async def stream(self, deployment: str, attr: str, body: Any,
+                     request_id: str) -> AsyncIterator[Any]:
+        route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
+                          attr=attr, input_model=None, output_model=None, is_async=True,
+                          is_stream=True)
+        async for chunk in self.dispatcher.stream(
+                route, body, request_id, on_cold=lambda report: note_cold_start(report.header())):
+            yield chunk
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.metrics.registry
+
+    def ready(self) -> bool:
+        return self.tracker.ready()
+
+    async def poll_once(self) -> None:
+        """Read every deployment's replica states from Serve's controller once."""
+        overviews = await asyncio.to_thread(read_replica_states, self.app_name)
+        for name, overview in overviews.items():
+            self.tracker.update_replicas(name, overview)
+        await self._check_placement()
+        self.tracker.polled = True
+        # Once a second is enough for a scrape and for the pool's failed preloads (they change
+        # only when a pool replica starts); fast polls (0.25 s) need not repeat them.
+        now = time.monotonic()
+        if now - self._published_at < _PUBLISH_EVERY_S:
+            return
+        self._published_at = now
+        await self.versions.refresh()
+        if self.tracker.pool_expected or self.tracker.gpu_pool_expected:
+            failures = await asyncio.to_thread(pool.read_failures, self.app_name)
+            self.tracker.update_pool_failures(failures)
+        if self.board is not None:
+            await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
+
+    async def _check_placement(self) -> None:
+        """Say why a starting replica waits, when Ray has no node with room for it."""
+        starting = self.tracker.unplaced()
+        for load in self.tracker.loads.values():
+            if load not in starting:
+                load.waiting_for = None
+        if not starting:
+            return
+        try:
+            pending, free = await asyncio.to_thread(placement.cluster_view)
+        except Exception:  # best effort: without the view, requests wait as they would
+            logger.debug("cluster resource view unavailable", exc_info=True)
+            return
+        for load in starting:
+            need = placement.replica_shape(load.options.num_cpus, load.options.num_gpus)
+            load.waiting_for = placement.unplaceable(need, pending=pending, free=free)
+
+    async def status_all(self) -> dict[str, Any]:
+        """The status, with every other edge's request counts added when there are others."""
+        own = self.status()
+        return own if self.board is None else await asyncio.to_thread(self.board.status_all,
+                                                                      own)
+
+    async def render_metrics(self) -> bytes:
+        """This edge's metrics, with every other edge's when it runs beside others."""
+        own = self.metrics.render()
+        return own if self.board is None else await asyncio.to_thread(self.board.render_all,
+                                                                       own)
+
+    async def poll_replicas(self) -> None:
+        """Keep replica counts fresh without putting the controller on the request path.
+
+        Polls every second, and four times a second while a deployment is changing size
+        (replicas starting, or requests waiting at zero), when a fresh count decides where
+        requests go.
+        """
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # the controller may be restarting; try again next tick
+                logger.warning("replica status poll failed", exc_info=True)
+            await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else _STATUS_POLL_S)
+
+
+def read_replica_states(app_name: str) -> dict[str, Any]:
+    """Replica states per deployment of ``app_name``, read from the controller's details.
+
+    ``serve.status()`` builds Serve's full pydantic schema from the same details, which
+    re-serializes every deployment's router class: measured at a third of the ingress's CPU
+    under load when polled twice a second. The plain dict has all Ember needs.
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        return {}
+    app = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
+    overviews: dict[str, Any] = {}
+    for name, details in (app.get("deployments") or {}).items():
+        states = Counter(_enum_text(r.get("state")) for r in details.get("replicas") or [])
+        overviews[name] = SimpleNamespace(replica_states=dict(states),
+                                          status=_enum_text(details.get("status", "UNKNOWN")),
+                                          message=str(details.get("message") or ""))
+    return overviews
+
+
+def _enum_text(value: Any) -> str:
+    # The details hold Serve's str-valued enums; str() of those is "ReplicaState.RUNNING".
+    return str(getattr(value, "value", value))
+
+
+def single_item(route: RouteSpec) -> tuple[Any, Any] | None:
+    """``(In, Out)`` when a batch route also takes one ``In`` as the whole body, else None.
+
+    A batch handler ``list[In] -> list[Out]`` answers a JSON array item for item, and a single
+    ``In`` with a single ``Out`` (one batch item), as Ray Serve's ``@serve.batch`` and
+    LitServe batch single requests. Not when ``In`` is itself an array type: an array body
+    would then be ambiguous.
+    """
+    if route.kind != "batch" or typing.get_origin(route.input_model) is not list:
+        return None
+    (item,) = typing.get_args(route.input_model) or (Any,)
+    if item is Any or typing.get_origin(item) in _ARRAY_ORIGINS or item in _ARRAY_ORIGINS:
+        return None
+    out_args = typing.get_args(route.output_model)
+    out = out_args[0] if typing.get_origin(route.output_model) is list and out_args else Any
+    return item, out
+
+
+_ARRAY_ORIGINS: tuple[Any, ...] = (list, tuple, set, frozenset, bytes, collections.abc.Sequence)
+
+
+def _response_model(route: RouteSpec) -> Any:
+    """The annotation if FastAPI can serialize it, else None (returned value sent as is)."""
+    annotation = route.output_model
+    single = single_item(route)
+    if single is not None and annotation is not None:
+        annotation = annotation | single[1] if single[1] is not Any else Any
+    if route.is_stream or annotation is None or annotation is inspect.Signature.empty:
+        return None
+    try:
+        TypeAdapter(annotation)
+    except Exception:  # arbitrary user types (tensors...) have no schema
+        return None
+    return annotation
+
+
+def _body_parameter(route: RouteSpec) -> inspect.Parameter | None:
+    if route.kind == "none":
+        return None
+    # Body() makes FastAPI read lists and scalars from the body rather than the query.
+    single = single_item(route)
+    model = route.input_model | single[0] if single is not None else route.input_model
+    annotation = Annotated[model, Body()] if route.kind in ("batch", "value") else model
+    return inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+
+
+def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
+    dispatcher, metrics = state.dispatcher, state.metrics
+    single = single_item(route)
+
+    async def endpoint(request: Request, response: Response, body: Any = None) -> Any:
+        if route.is_stream:
+            return _sse(dispatcher.stream(route, body, request_id_of(request)),
+                        request_id_of(request))
+        started = time.monotonic()
+        status, chosen, label, value, routed = "200", route, "1", None, False
+        one = single is not None and not isinstance(body, list)
+        payload = [body] if one else body
+        try:
+            chosen, label = state.versions.route(route, request.headers)
+            routed = True
+            note_header(VERSION_HEADER, label)  # on the answer, and on an error from it
+            outcome = await dispatcher.call(chosen, payload, request_id_of(request))
+            if outcome.cold is not None:
+                response.headers[COLD_START_HEADER] = outcome.cold.header()
+            value = outcome.value
+            return value[0] if one else value
+        except EmberError as err:
+            status = str(err.status_code)
+            reason = {503: "queue_full", 504: "timeout"}.get(err.status_code)
+            if reason:
+                metrics.rejected.labels(chosen.deployment, reason).inc()
+            raise
+        finally:
+            took = time.monotonic() - started
+            metrics.latency.labels(chosen.deployment, route.path, status, label).observe(took)
+            copy = state.versions.shadow_route(route, label) if routed else None
+            if copy is not None:  # after the answer: the caller never waits for the copy
+                state.versions.shadow(dispatcher.call, metrics, copy, payload,
+                                      (status, value, took), request_id_of(request))
+
+    params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+              inspect.Parameter("response", inspect.Parameter.KEYWORD_ONLY, annotation=Response)]
+    body_param = _body_parameter(route)
+    if body_param is not None:
+        params.append(body_param)
+    endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    endpoint.__name__ = route.path.strip("/").replace("/", "_") or "root"
+    return endpoint
+
+
+def _sse(chunks: AsyncIterator[Any], request_id: str) -> StreamingResponse:
+    """Server-sent events: one ``data:`` event per chunk, sent as soon as it exists."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(to_jsonable_python(chunk))}\n\n"
+        except EmberError as err:  # headers are gone: report in-band, as SSE APIs do
+            yield f"event: error\ndata: {json.dumps(error_body(err, request_id))}\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def build_fastapi(state: IngressState) -> FastAPI:
+    """The ASGI app served by the ingress deployment."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        poller = asyncio.create_task(state.poll_replicas())
+        try:
+            yield
+        finally:
+            poller.cancel()
+
+    # No redirects: a path that does not match is a 404, never a 307 to some other path.
+    app = FastAPI(title=f"Ember: {state.app_name}", lifespan=lifespan, redirect_slashes=False)
+    app.router.route_class = _strict_json_route(state)
+    install_error_handlers(app, state.on_reject)
+    for route in state.routes:
+        app.add_api_route(route.path, _endpoint(route, state), methods=[route.http_method],
+                          response_model=_response_model(route), tags=[route.deployment])
+    for protocol in state.protocols:
+        protocol.install(app, state)
+    _add_platform_routes(app, state)
+    # Starlette runs the last middleware added first: header limit, then auth (so no
+    # unauthenticated body is ever read), per-key rate limit, encoding, body size, and the
+    # cold-start header of protocol routes.
+    app.add_middleware(ColdStartHeaderMiddleware)
+    app.add_middleware(GuardMiddleware, limit_for=state.limit_for, on_reject=state.on_reject)
+    app.add_middleware(ContentEncodingMiddleware, on_reject=state.on_reject)
+    app.add_middleware(RateLimitMiddleware, limiter=state.limiter, on_reject=state.on_reject)
+    app.add_middleware(AuthMiddleware, keys=state.keys, on_reject=state.on_reject)
+    app.add_middleware(HeaderLimitMiddleware, on_reject=state.on_reject)
+    return app
+
+
+def _strict_json_route(state: IngressState) -> type[APIRoute]:
+    """Routes whose JSON bodies go through Ember's strict parser before FastAPI's validation.
+
+    The strict parser refuses what ``json.loads`` would accept but no client should send
+    (NaN, 1e999, duplicate keys, 100,000-deep nesting) with a 400 that says why.
+    """
+
+    class StrictJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            if self.body_field is None:
+                # No body parameter: FastAPI never parses this body, the handler reads it
+                # (the Open Inference route, for Triton's binary tensor extension).
+                return handler
+
+            async def strict(request: Request) -> Response:
+                body = await request.body()
+                if body:
+                    try:
+                        # FastAPI's request.json() reuses Starlette's cache of the parsed body.
+                        request._json = parse_json(body)
+                    except EmberError:
+                        state.on_reject(request.url.path, "malformed_json")
+                        raise
+                    _default_to_json(request)
+                return await handler(request)
+
+            return strict
+
+    return StrictJSONRoute
+
+
+def _default_to_json(request: Request) -> None:
+    """Read a body sent without ``Content-Type`` as JSON, as Triton and KServe do.
+
+    Triton's own HTTP client sends JSON with no content type; FastAPI would not parse it.
+    """
+    headers = request.scope["headers"]
+    if not any(key == b"content-type" and value for key, value in headers):
+        request.scope["headers"] = [*(h for h in headers if h[0] != b"content-type"),
+                                    (b"content-type", b"application/json")]
+        request.__dict__.pop("_headers", None)  # Starlette caches the parsed headers
+
+
+def _add_platform_routes(app: FastAPI, state: IngressState) -> None:
+    async def healthz() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz() -> Response:
+        ready = state.tracker.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    async def metrics() -> Response:
+        return Response(await state.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    async def status() -> Response:
+        return JSONResponse(await state.status_all())
+
+    routes: dict[str, Callable[[], Awaitable[Response]]] = {
+        "/healthz": healthz, "/readyz": readyz, "/metrics": metrics, "/-/status": status}
+    for path, fn in routes.items():
+        app.add_api_route(path, fn, methods=["GET"], include_in_schema=False)
+    _add_lease_routes(app, state)
+    add_traffic_routes(app, state.versions)
+    add_rollout_routes(app, state.app_name, state.versions, state.options)
+
+
+def _check_lease(state: IngressState, deployment: str, seconds: float, floor: int) -> None:
+    """Refuse a lease longer than ``EMBER_MAX_LEASE_S`` or a floor above ``max_replicas``."""
+    if seconds > state.max_lease_s:
+        raise BadRequest(f"for={seconds:g}s is over the lease limit of {state.max_lease_s:g}s "
+                         f"({settings.variable('max_lease_s')})", param="for")
+    cap = state.options[deployment].max_replicas
+    if floor > cap:
+        raise BadRequest(f"floor={floor} is over {deployment}'s max_replicas of {cap}",
+                         param="floor")
+
+
+def _add_lease_routes(app: FastAPI, state: IngressState) -> None:
+    """``POST /-/warm/{deployment}?for=600&floor=1`` holds a floor for a while; DELETE ends it."""
+
+    def check(deployment: str) -> None:
+        check_name(deployment, "deployment")
+        if deployment not in state.tracker.loads:
+            raise NotFound(method="warm", path=f"/-/warm/{deployment}")
+
+    async def warm(deployment: str, duration: Annotated[str, Query(alias="for")] = "600",
+                   floor: Annotated[int, Query(ge=1)] = 1) -> Response:
+        check(deployment)
+        try:
+            seconds = floors.parse_duration(duration)
+        except ValueError as exc:
+            raise InvalidBody(str(exc)) from None
+        _check_lease(state, deployment, seconds, floor)
+        until = time.time() + seconds
+        await asyncio.to_thread(floors.LeaseStore(state.app_name).put, deployment, floor, until)
+        return JSONResponse({"deployment": deployment, "floor": floor, "until_s": until})
+
+    async def unwarm(deployment: str) -> Response:
+        check(deployment)
+        await asyncio.to_thread(floors.LeaseStore(state.app_name).delete, deployment)
+        return JSONResponse({"deployment": deployment, "floor": 0})
+
+    app.add_api_route("/-/warm/{deployment}", warm, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/-/warm/{deployment}", unwarm, methods=["DELETE"],
+                      include_in_schema=False)
+
+
+__all__ = ["IngressState", "build_fastapi"]

@@ -1,0 +1,341 @@
+"""OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions`` over a streaming handler.
+
+The target handler is an async generator taking a :class:`GenerateRequest` and yielding one
+dict per step: ``text`` (may be empty), ``finish_reason`` (None until the last),
+``prompt_tokens``, ``completion_tokens``, ``running`` and ``waiting`` (the engine's state,
+for the gauges). With ``"stream": true`` the answer is server-sent events in OpenAI's chunk
+shape ending with ``data: [DONE]``, and ``stream_options.include_usage`` adds a last chunk
+with ``usage`` and no choices, as OpenAI does.
+
+The first chunk is awaited before the response starts, so a refusal (a full engine, a
+request that cannot fit) is a real status code with ``Retry-After``, not an error event
+inside a 200. Time to first token, inter-token latency, time per output token and tokens
+per second are measured here, at the edge: what the caller sees, queueing included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field
+
+from ember.edge._asgi import error_body, request_id_of
+from ember.edge.protocols import Gateway, Protocol
+from ember.errors import ConfigError, EmberError, InvalidBody
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ember.app.app import App
+
+_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; only text content."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """OpenAI's sampling fields, with the ranges OpenAI documents."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=4)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+    #: vLLM's extension: decode to max_tokens past the end-of-sequence token, as serving
+    #: benchmarks do to control output lengths.
+    ignore_eos: bool = False
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    """The body of ``POST /v1/completions`` (one prompt per request)."""
+
+    prompt: str | list[str] = Field(description="A string, or a list holding one string.")
+
+
+class ChatCompletionRequest(_Sampling):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class GenerateRequest(BaseModel):
+    """What the generation handler receives: a prompt or chat messages, and sampling."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=4)
+    ignore_eos: bool = False
+
+
+class GenerationMetrics:
+    """The generation families, named like vLLM's, in the edge's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, labels = registry, ["model"]
+        self.ttft = Histogram("ember_time_to_first_token_seconds",
+                              "Request received until its first token left the replica",
+                              labels, buckets=_TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("ember_inter_token_latency_seconds",
+                             "Time between two consecutive tokens of one request",
+                             labels, buckets=_ITL_BUCKETS_S, registry=r)
+        self.tpot = Histogram("ember_time_per_output_token_seconds",
+                              "A request's time after its first token over its other tokens",
+                              labels, buckets=_ITL_BUCKETS_S, registry=r)
+        self.tps = Histogram("ember_generation_tokens_per_second",
+                             "A request's output tokens over its end-to-end time",
+                             labels, buckets=_TPS_BUCKETS, registry=r)
+        self.generated = Counter("ember_generation_tokens", "Output tokens", labels,
+                                 registry=r)
+        self.prompted = Counter("ember_prompt_tokens", "Prompt tokens", labels, registry=r)
+        self.running = Gauge("ember_num_requests_running",
+                             "Sequences in the running batch, as last reported", labels,
+                             registry=r)
+        self.waiting = Gauge("ember_num_requests_waiting",
+                             "Sequences waiting for a slot, as last reported", labels,
+                             registry=r)
+
+
+@dataclass
+class _Timing:
+    """One request's token times, observed into the metrics as they come."""
+
+    metrics: GenerationMetrics
+    model: str
+    started: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float = 0.0
+    tokens: int = 0
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        now = time.monotonic()
+        tokens = int(chunk["completion_tokens"])
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.labels(self.model).observe(now - self.started)
+        elif tokens > self.tokens:
+            # A chunk may carry several tokens (the replica merges what waited for a slow
+            # stream); each counts once, with its share of the gap.
+            new = tokens - self.tokens
+            for _ in range(new):
+                self.metrics.itl.labels(self.model).observe((now - self.last) / new)
+        self.last, self.tokens = now, tokens
+        self.metrics.running.labels(self.model).set(chunk["running"])
+        self.metrics.waiting.labels(self.model).set(chunk["waiting"])
+        if chunk["finish_reason"] is not None:
+            self._finish(chunk)
+
+    def _finish(self, chunk: dict[str, Any]) -> None:
+        labels = (self.model,)
+        if self.first is not None and self.tokens > 1:
+            self.metrics.tpot.labels(*labels).observe((self.last - self.first)
+                                                      / (self.tokens - 1))
+        self.metrics.tps.labels(*labels).observe(self.tokens / max(self.last - self.started,
+                                                                   1e-9))
+        self.metrics.generated.labels(*labels).inc(self.tokens)
+        self.metrics.prompted.labels(*labels).inc(int(chunk["prompt_tokens"]))
+
+
+class OpenAIGeneration(Protocol):
+    """Serve ``deployment.attr`` (a streaming handler) as OpenAI's text generation APIs.
+
+    Example:
+        >>> OpenAIGeneration(deployment="TextGen", attr="generate", model="tiny")
+        OpenAIGeneration(model='tiny' -> TextGen.generate)
+    """
+
+    def __init__(self, *, deployment: str, attr: str, model: str,
+                 default_max_tokens: int = 16) -> None:
+        self.deployment, self.attr, self.model = deployment, attr, model
+        self.default_max_tokens = default_max_tokens
+
+    def __repr__(self) -> str:
+        return f"OpenAIGeneration(model={self.model!r} -> {self.deployment}.{self.attr})"
+
+    def validate(self, app: App) -> None:
+        try:
+            spec = app.spec(self.deployment)
+        except KeyError:
+            raise ConfigError(f"OpenAIGeneration: no deployment {self.deployment!r}") from None
+        route = next((r for r in spec.routes if r.attr == self.attr), None)
+        if route is None or not route.is_stream:
+            raise ConfigError(f"OpenAIGeneration: {self.deployment}.{self.attr} must be a "
+                              "streaming handler (an async generator)")
+
+    def install(self, api: FastAPI, gateway: Gateway) -> None:
+        metrics = GenerationMetrics(gateway.registry)
+
+        async def completions(request: Request, body: CompletionRequest) -> Any:
+            return await self._serve(request, body, gateway, metrics, chat=False)
+
+        async def chat(request: Request, body: ChatCompletionRequest) -> Any:
+            return await self._serve(request, body, gateway, metrics, chat=True)
+
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "ember"}]}
+
+        api.add_api_route("/v1/completions", completions, methods=["POST"], tags=["openai"])
+        api.add_api_route("/v1/chat/completions", chat, methods=["POST"], tags=["openai"])
+        api.add_api_route("/v1/models", models, methods=["GET"], tags=["openai"])
+
+    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest
+                          ) -> GenerateRequest:
+        fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
+                                  "seed": body.seed, "stop": body.stops(),
+                                  "ignore_eos": body.ignore_eos}
+        if isinstance(body, ChatCompletionRequest):
+            fields["messages"] = body.messages
+            limit = body.max_completion_tokens or body.max_tokens
+        else:
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if len(prompts) != 1:
+                raise InvalidBody("prompt: one prompt per request", param="prompt")
+            fields["prompt"], limit = prompts[0], body.max_tokens
+        return GenerateRequest(max_tokens=limit or self.default_max_tokens, **fields)
+
+    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                     gateway: Gateway, metrics: GenerationMetrics, *, chat: bool) -> Any:
+        if body.model != self.model:
+            return JSONResponse({"error": {
+                "message": f"The model '{body.model}' does not exist", "type":
+                "invalid_request_error", "param": "model", "code": "model_not_found"}}, 404)
+        rid = request_id_of(request)
+        timing = _Timing(metrics, self.model)
+        # The request object itself, as a native route sends its parsed body: the handler
+        # receives its annotated type, never a dict.
+        chunks = gateway.stream(self.deployment, self.attr, self._generate_request(body), rid)
+        shape = _Shape(model=self.model, chat=chat, request_id=rid)
+        first = await anext(chunks)  # a refusal raises here: a real status, before any byte
+        timing.chunk(first)
+        if not body.stream:
+            try:
+                return await shape.whole(first, chunks, timing)
+            finally:
+                await _close(chunks)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(shape.events(first, chunks, timing, usage=usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+
+@dataclass
+class _Shape:
+    """OpenAI's response and chunk bodies for one request."""
+
+    model: str
+    chat: bool
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id}"
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    async def whole(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
+                    timing: _Timing) -> dict[str, Any]:
+        text, last = [first["text"]], first
+        while last["finish_reason"] is None:
+            last = await anext(rest)
+            timing.chunk(last)
+            text.append(last["text"])
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last["finish_reason"],
+                                  "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [choice], "usage": _usage(last)}
+
+    async def events(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
+                     timing: _Timing, *, usage: bool) -> AsyncIterator[str]:
+        chunk, n = first, 0
+        try:
+            while True:
+                yield _event(self._chunk(chunk, n, usage))
+                n += 1
+                if chunk["finish_reason"] is not None:
+                    break
+                try:
+                    chunk = await anext(rest)
+                except EmberError as err:  # the status is sent: report in-band, as OpenAI does
+                    yield _event(error_body(err, self.request_id))
+                    return
+                timing.chunk(chunk)
+        finally:  # a caller that left: cancel the replica's stream now, not at GC
+            await _close(rest)
+        if usage:
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            yield _event({**self._head(kind), "choices": [], "usage": _usage(chunk)})
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, chunk: dict[str, Any], n: int, usage: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": chunk["finish_reason"],
+                                  "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"content": chunk["text"]}
+            if n == 0:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = chunk["text"]
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {**self._head(kind), "choices": [choice]}
+        return {**body, "usage": None} if usage else body
+
+
+async def _close(chunks: AsyncIterator[Any]) -> None:
+    """Close a stream (an async generator) now; a no-op once it has finished."""
+    close = getattr(chunks, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def _usage(chunk: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = int(chunk["prompt_tokens"]), int(chunk["completion_tokens"])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"

@@ -1,1 +1,0 @@
-"""The platform layer: decorator, config, the edge, autoscaling policy, runtime, CLI."""

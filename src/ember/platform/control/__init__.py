@@ -1,4 +1,0 @@
-"""The control plane: autoscaling policy, its Ray adapter, floors, warm pool, replicas, cold starts.
-
-Nothing here imports :mod:`ember.platform.http`.
-"""
