@@ -36,6 +36,13 @@ import _harness as h  # noqa: E402
 import _serving  # noqa: E402
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from _load import (  # noqa: E402, F401  # the bodies, re-exported for the scripts
+    TEXTS,
+    ember_single_body,
+    ember_text_body,
+    short_text,
+    text_object_body,
+)
 from mlp_app import IN_FEATURES, OUT_FEATURES, SeedMLP  # noqa: E402
 from mlp_app import app as mlp_app  # noqa: E402
 
@@ -56,18 +63,6 @@ ONE_REPLICA = {"warm_floor": 1, "max_replicas": 1}
 #: The batch of ``bench/throughput.py``'s batching contenders: 32 items, 5 ms wait.
 THROUGHPUT_BATCH = ember.Batch(max_size=32, max_wait_ms=5)
 JSON_HEADERS = {"content-type": "application/json"}
-WORDS = ("ember", "serves", "small", "models", "fast", "while", "the", "quick", "brown", "fox",
-         "jumps", "over", "a", "lazy", "dog", "near", "quiet", "rivers", "under", "bright",
-         "morning", "light")
-
-
-def short_text(i: int) -> str:
-    """A distinct short sentence (about 8-14 tokens) for item ``i``."""
-    n = len(WORDS)
-    return " ".join(WORDS[(i * 7 + j * 3) % n] for j in range(6 + i % 6)) + f" {i}"
-
-
-TEXTS = [short_text(i) for i in range(512)]
 
 
 class _OneThread(MiniLM):
@@ -201,21 +196,6 @@ def minilm_body(b: int, start: int = 0) -> bytes:
 def check_minilm(reply: Any, b: int) -> None:
     if len(reply) != b or len(reply[0]["embedding"]) != DIMENSIONS:
         raise RuntimeError(f"MiniLM reply of {len(reply)} items, expected {b}")
-
-
-def ember_text_body(i: int) -> bytes:
-    """Ember ``/embed``'s body: one text, as a one-element array (answered by an array)."""
-    return json.dumps([TEXTS[i % len(TEXTS)]]).encode()
-
-
-def ember_single_body(i: int) -> bytes:
-    """One text as a bare JSON string: a batch route takes it as one item, answers one object."""
-    return json.dumps(TEXTS[i % len(TEXTS)]).encode()
-
-
-def text_object_body(i: int) -> bytes:
-    """The peers' body (bare FastAPI, LitServe, plain Ray Serve): ``{"text": ...}``."""
-    return json.dumps({"text": TEXTS[i % len(TEXTS)]}).encode()
 
 
 def post(client: httpx.Client, url: str, body: bytes, deadline: h.Deadline) -> Any:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -237,7 +238,8 @@ class ServerProcess:
     """
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, *,
-                 capture: bool = True, cwd: Path | None = None) -> None:
+                 capture: bool = True, cwd: Path | None = None,
+                 inherit_env: bool = True) -> None:
         self.log: Path | None = None
         out: int | None = None
         if capture:
@@ -246,7 +248,8 @@ class ServerProcess:
         try:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT if capture else None,
-                env={**os.environ, **(env or {})}, cwd=cwd or tempfile.gettempdir(),
+                env={**(os.environ if inherit_env else {}), **(env or {})},
+                cwd=cwd or tempfile.gettempdir(),
                 start_new_session=True)
         finally:
             if out is not None:
@@ -270,9 +273,33 @@ class ServerProcess:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self) -> None:
-        """Terminate the server and its children, each by its own PID; kill what remains."""
-        procs = self.tree()
+    def family(self) -> list[psutil.Process]:
+        """:meth:`tree`, plus every process of the Ray sessions it started (found by session
+        name, so daemons reparented away from the tree count too) and their descendants."""
+        tree = self.tree()
+        sessions = {m.group(0) for p in tree for m in [_RAY_SESSION.search(_cmdline(p))] if m}
+        seen = {p.pid: p for p in tree}
+        if sessions:
+            for proc in psutil.process_iter():
+                if proc.pid not in seen and any(s in _cmdline(proc) for s in sessions):
+                    for p in (proc, *_children(proc)):
+                        seen.setdefault(p.pid, p)
+        return list(seen.values())
+
+    def interrupt(self, timeout_s: float = 30.0) -> None:
+        """Ctrl-C (SIGINT) to the server alone, as a user stops ``serve run`` or ``ember
+        run``; then :meth:`stop` for whatever of its family is left."""
+        family = self.family()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout_s)
+        self.stop(family)
+
+    def stop(self, procs: list[psutil.Process] | None = None) -> None:
+        """Terminate the server and its children (or ``procs``), each by its own PID; kill
+        what remains."""
+        procs = self.tree() if procs is None else procs
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.terminate()
@@ -284,6 +311,33 @@ class ServerProcess:
         self.proc.wait(timeout=5)
         if self.log is not None:
             self.log.unlink(missing_ok=True)
+
+
+_RAY_SESSION = re.compile(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return list(proc.children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def cpu_seconds(procs: Sequence[psutil.Process]) -> float:
+    """CPU seconds (user + system) of ``procs`` so far, with their reaped children's."""
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def start_peer(script: str, args: list[str], deadline: Deadline) -> tuple[ServerProcess, str]:
@@ -323,6 +377,7 @@ def host_facts(short: bool) -> dict[str, Any]:
     """The machine, the software and the command that produced a result."""
     return {
         "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {name: _version(dist) for name, dist in

@@ -6,12 +6,22 @@ its last one answered, for a bounded duration; elapsed time runs until the last 
 the part of the serving stack they are (:func:`process_group`: Serve's HTTP proxy, each
 Serve deployment's replicas, Ember's edges among them, the rest of Ray), of each peer
 server's processes, and of the whole host.
+
+Run as a script it is a load client of its own process (``bench/throughput.py`` starts one
+per run with :func:`client_run`): it imports, says ``ready``, waits for a line on stdin,
+runs :func:`closed_loop` and prints the summary as one JSON line.
+
+    python bench/_load.py --url URL --body ember|object --concurrency C --duration-s D
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +37,36 @@ LOAD_CLIENT = "load client (this process)"
 SERVE_PROXY = "Ray Serve HTTP proxy"
 RAY_REST = "Ray core and Serve controller"
 REPLICA_TITLE = "ray::ServeReplica:"
+WORDS = ("ember", "serves", "small", "models", "fast", "while", "the", "quick", "brown", "fox",
+         "jumps", "over", "a", "lazy", "dog", "near", "quiet", "rivers", "under", "bright",
+         "morning", "light")
+
+
+def short_text(i: int) -> str:
+    """A distinct short sentence (about 8-14 tokens) for item ``i``."""
+    n = len(WORDS)
+    return " ".join(WORDS[(i * 7 + j * 3) % n] for j in range(6 + i % 6)) + f" {i}"
+
+
+TEXTS = [short_text(i) for i in range(512)]
+
+
+def ember_text_body(i: int) -> bytes:
+    """Ember ``/embed``'s body: one text, as a one-element array (answered by an array)."""
+    return json.dumps([TEXTS[i % len(TEXTS)]]).encode()
+
+
+def ember_single_body(i: int) -> bytes:
+    """One text as a bare JSON string: a batch route takes it as one item, answers one object."""
+    return json.dumps(TEXTS[i % len(TEXTS)]).encode()
+
+
+def text_object_body(i: int) -> bytes:
+    """The peers' body (bare FastAPI, LitServe, plain Ray Serve): ``{"text": ...}``."""
+    return json.dumps({"text": TEXTS[i % len(TEXTS)]}).encode()
+
+
+BODIES = {"ember": ember_single_body, "object": text_object_body}
 #: (calls, items) of a server's forward passes so far; ``(0, 0)`` where it counts none.
 Counts = Callable[[h.Deadline], tuple[int, int]]
 
@@ -163,3 +203,61 @@ def http_counts(url: str) -> Counts:
         return int(reply.json()["calls"]), int(reply.json()["items"])
 
     return read
+
+
+# --- the load client as a process of its own ----------------------------------------------
+
+
+class LoadClient:
+    """A :func:`main` subprocess, imported and waiting: :meth:`run` starts its load.
+
+    The imports happen before :meth:`run`, so the caller can read the server's CPU right
+    before the load starts and right after it ends.
+    """
+
+    def __init__(self, url: str, body: str, concurrency: int, duration_s: float) -> None:
+        argv = [sys.executable, __file__, "--url", url, "--body", body,
+                "--concurrency", str(concurrency), "--duration-s", str(duration_s)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None  # pipes asked
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        if self.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"load client exited with {self.proc.wait()}")
+
+    def run(self, timeout_s: float) -> dict[str, Any]:
+        """Start the load; its :meth:`LoadResult.summary` once it ends."""
+        self.stdin.write("go\n")
+        self.stdin.flush()
+        line = self.stdout.readline()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        if not line:
+            raise RuntimeError(f"load client exited with {self.proc.returncode}")
+        summary: dict[str, Any] = json.loads(line)
+        return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="closed-loop HTTP load, one JSON line out")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--body", choices=sorted(BODIES), required=True)
+    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--duration-s", type=float, required=True)
+    args = parser.parse_args()
+    target = LoadTarget(args.url, args.body, args.url, BODIES[args.body])
+    print("ready", flush=True)
+    if not sys.stdin.readline():
+        return 1
+    result = closed_loop(target, args.concurrency, args.duration_s,
+                         h.Deadline(args.duration_s + 300.0))
+    print(json.dumps(result.summary()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

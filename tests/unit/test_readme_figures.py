@@ -1,0 +1,214 @@
+"""Every figures table in README.md and docs/*.md matches the results file it names.
+
+A table whose figures come from a benchmark is preceded by a marker naming its results file::
+
+    <!-- figures: bench/results/throughput.json -->
+    | contender | c=1 p50 | ... |
+
+:data:`FIGURES` maps each results file to a function that, from the parsed JSON, gives the
+expected text of each cell by ``(row, column)``: the row's first cell and the column's
+header, as the table spells them. A cell that differs fails, and so does a cell quoting a
+number (any digit) that the mapping does not give: a table cannot carry a figure its results
+file does not back. A table adopts the check with its marker and one mapping here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"<!--\s*figures:\s*(\S+)\s*-->")
+Cells = dict[tuple[str, str], str]
+
+
+def _spread(s: dict[str, float], spec: str, unit: str = "") -> str:
+    """``median unit (min-max)``, as the request-path table writes a metric over rounds."""
+    return f"{s['median']:{spec}}{unit} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+THROUGHPUT_ROWS = {"ember": "Ember, `ember run`",
+                   "stock": "Ray Serve, stock `serve run`",
+                   "tuned": "Ray Serve, tuned `serve run`"}
+THROUGHPUT_COLUMNS = (("c1_p50_ms", "c=1 p50", ".1f", " ms"), ("c32_rps", "c=32 req/s", ".1f", ""),
+                      ("cpu_ms_per_request", "CPU per request", ".1f", " ms"),
+                      ("mean_batch_per_request", "mean batch per request", ".1f", ""))
+
+
+def throughput(doc: dict[str, Any]) -> Cells:
+    """``bench/throughput.py``: each contender's medians (min-max) and Ember's ratios."""
+    cells: Cells = {}
+    for key, row in THROUGHPUT_ROWS.items():
+        for metric, column, spec, unit in THROUGHPUT_COLUMNS:
+            cells[row, column] = _spread(doc["contenders"][key][metric], spec, unit)
+    for peer in ("stock", "tuned"):
+        for metric, column, _, _ in THROUGHPUT_COLUMNS:
+            value = doc["ratios"][f"ember/{peer} {metric}"]["value"]
+            cells[f"Ember / {peer}", column] = f"{value:.2f}x"
+    return cells
+
+
+COLDSTART_ROWS = {"a": "(a)", "b": "(b)", "c": "(c)", "d": "(d)", "e": "(e)", "f": "(f)"}
+
+
+def coldstart(doc: dict[str, Any]) -> Cells:
+    """``bench/coldstart.py``: each variant's median and the Ray variants' ratios to it."""
+    cells: Cells = {}
+    for row in doc["summary"]:
+        label = COLDSTART_ROWS[row["key"]]
+        cells[label, "cold start"] = f"{row['cold_start_median_s']:.2f} s"
+        if row["key"] not in ("e", "f"):
+            cells[label, "(e) / it"] = f"{row['ray_default_over_it']:.1f}x"
+            cells[label, "(f) / it"] = f"{row['ray_shrunk_over_it']:.1f}x"
+    return cells
+
+
+BURST_ROWS = {"Ember pool+preload": "Ember, pool with the model preloaded",
+              "Ember no pool": "Ember, own replicas from fresh processes",
+              "Ray Serve shrunk": "Ray Serve on Ember's cluster, timers shrunk"}
+
+
+def burst(doc: dict[str, Any]) -> Cells:
+    """``bench/burst.py``: p50 and max of each variant, and how many requests were 200."""
+    cells: Cells = {}
+    for key, row in BURST_ROWS.items():
+        s = doc["summary"][key]
+        cells[row, "p50"] = f"{s['p50_s']:.2f} s"
+        cells[row, "max"] = f"{s['max_s']:.2f} s"
+        cells[row, "answered 200"] = f"{s['requests'] - s['non_200']} / {s['requests']}"
+    return cells
+
+
+def offline(doc: dict[str, Any]) -> Cells:
+    """``bench/offline.py``: items/s and cost per million items of each measure."""
+    cells: Cells = {}
+    for m in doc["measures"]:
+        name = m["name"].strip()
+        cells[name, "items/s"] = f"{m['items_per_s']:.1f}"
+        cells[name, "items/s, whole machine"] = f"{m['machine_items_per_s']:.1f}"
+    cells["offline job / online, one replica", "items/s"] = f"{doc['ratio_items_per_s']:.2f}x"
+    cells["offline job / online, every core", "items/s, whole machine"] = (
+        f"{doc['ratio_vs_online_every_core']:.2f}x")
+    return cells
+
+
+def _samples_per_request(doc: dict[str, Any], groups: tuple[str, ...]) -> str:
+    samples = sum(p["samples"] for p in doc["processes"] if p["group"].endswith(groups))
+    return f"{samples / doc['load']['requests']:.2f}"
+
+
+def profile_two_hops(doc: dict[str, Any]) -> Cells:
+    """``bench/profile_path.py`` before the edges: Serve's proxy and the ingress replica."""
+    row = "before the edges: Serve's proxy + the ingress replica"
+    return {(row, "req/s"): f"{doc['load']['throughput_rps']:.1f}",
+            (row, "HTTP-tier samples per request"): _samples_per_request(
+                doc, ("HTTP proxy", "ember-ingress"))}
+
+
+def profile_edges(doc: dict[str, Any]) -> Cells:
+    """``bench/profile_path.py`` with the edges (Serve's idle proxy not counted)."""
+    row = "the edges (two)"
+    return {(row, "req/s"): f"{doc['load']['throughput_rps']:.1f}",
+            (row, "HTTP-tier samples per request"): _samples_per_request(doc, ("ember-edge",))}
+
+
+#: Results file (relative to the repository root) -> the cells its tables quote.
+FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
+    "bench/results/throughput.json": throughput,
+    "bench/results/coldstart.json": coldstart,
+    "bench/results/burst.json": burst,
+    "bench/results/offline.json": offline,
+    "bench/results/profile_path_two_hops.json": profile_two_hops,
+    "bench/results/profile_path.json": profile_edges,
+}
+
+
+def _row(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def marked_tables(text: str) -> list[tuple[str, int, list[list[str]]]]:
+    """(results file, line number, rows with the header first) of every marked table
+    (outside fenced code blocks, where a marker is only shown)."""
+    lines, out, fenced = text.splitlines(), [], False
+    for i, line in enumerate(lines):
+        fenced = fenced != line.startswith("```")
+        match = MARKER.search(line)
+        if fenced or not match:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("|"):
+            if lines[j].strip():
+                raise AssertionError(f"line {i + 1}: the figures marker must precede a table")
+            j += 1
+        rows = []
+        while j < len(lines) and lines[j].startswith("|"):
+            if not re.fullmatch(r"\|[\s|:-]+\|?", lines[j].strip()):
+                rows.append(_row(lines[j]))
+            j += 1
+        out.append((match.group(1), i + 1, rows))
+    return out
+
+
+def check(text: str, source: str,
+          load: Callable[[str], dict[str, Any]] | None = None) -> list[str]:
+    """Every disagreement between ``text``'s marked tables and their results files."""
+    load = load or (lambda path: json.loads((ROOT / path).read_text()))
+    problems = []
+    for path, line, rows in marked_tables(text):
+        if path not in FIGURES:
+            problems.append(f"{source}:{line}: no mapping for {path} in FIGURES")
+            continue
+        expected = FIGURES[path](load(path))
+        header = rows[0]
+        for row in rows[1:]:
+            for column, cell in zip(header[1:], row[1:], strict=True):
+                want = expected.get((row[0], column))
+                if want is None and re.search(r"\d", cell):
+                    problems.append(f"{source}:{line}: [{row[0]} | {column}] = {cell!r} "
+                                    f"is not backed by {path}")
+                elif want is not None and cell != want:
+                    problems.append(f"{source}:{line}: [{row[0]} | {column}] = {cell!r}, "
+                                    f"{path} says {want!r}")
+    return problems
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_marked_tables_match_their_results(page: Path) -> None:
+    assert check(page.read_text(), page.relative_to(ROOT).as_posix()) == []
+
+
+def test_the_request_path_table_is_checked() -> None:
+    """The checker is not vacuous: the benchmarks page marks the request-path table."""
+    tables = marked_tables((ROOT / "docs" / "benchmarks.md").read_text())
+    assert "bench/results/throughput.json" in [path for path, _, _ in tables]
+
+
+def _benchmarks_page() -> str:
+    return (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_a_changed_figure_fails() -> None:
+    doc = json.loads((ROOT / "bench/results/throughput.json").read_text())
+    changed = copy.deepcopy(doc)
+    changed["contenders"]["ember"]["c32_rps"]["median"] += 10.0
+    problems = check(_benchmarks_page(), "docs/benchmarks.md",
+                     load=lambda path: changed if path.endswith("throughput.json")
+                     else json.loads((ROOT / path).read_text()))
+    assert any("c=32 req/s" in p and "Ember, `ember run`" in p for p in problems), problems
+
+
+def test_an_unbacked_number_fails() -> None:
+    text = _benchmarks_page().replace("| Ember / tuned |", "| Ember / tuned, redone |", 1)
+    problems = check(text, "docs/benchmarks.md")
+    assert any("is not backed" in p and "Ember / tuned, redone" in p for p in problems)
