@@ -118,6 +118,51 @@ def profile_edges(doc: dict[str, Any]) -> Cells:
             (row, "HTTP-tier samples per request"): _samples_per_request(doc, ("ember-edge",))}
 
 
+SIZES_PATHS = {"disk_cold": "page cache cold", "disk_warm": "page cache warm",
+               "regional": "regional store", "second_replica": "second replica"}
+
+
+def coldstart_sizes(doc: dict[str, Any]) -> Cells:
+    """``bench/coldstart_sizes.py``: per size and path, the replica's times and the loaders'."""
+    cells: Cells = {}
+    for r in doc["rows"]:
+        row = f"{r['size_gb']:.1f} GB, {SIZES_PATHS[r['path']]}"
+        cells[row, "request to first answer"] = f"{r['total_s']:.1f} s"
+        cells[row, "weights phase"] = f"{r['weights_s']:.2f} s"
+        cells[row, "same bytes at the measured limit"] = f"{r['limit_s']:.2f} s"
+        peers = {k: v for k, v in (r.get("peers") or {}).items() if isinstance(v, (int, float))}
+        if "ember" in peers:
+            cells[row, "Ember's loader"] = f"{peers['ember']:.2f} s"
+            others = {k: v for k, v in peers.items() if k != "ember"}
+            best = min(others, key=lambda k: others[k])
+            cells[row, "best peer loader"] = f"{others[best]:.2f} s ({best})"
+            if "from_pretrained" in peers:
+                cells[row, "from_pretrained"] = f"{peers['from_pretrained']:.2f} s"
+    return cells
+
+
+def llm(doc: dict[str, Any]) -> Cells:
+    """``bench/llm.py``: prefix-cache hit vs miss, and continuous vs static batching at c=16."""
+    prefix, c16 = doc["prefix"], doc["c16"]
+    hit = "time to first token, 1,000-token prefix: hit / miss"
+    tps = "tokens/s at c=16: Ember / `generate()` static batches"
+    return {(hit, "Ember"): f"{prefix['hit_ttft_s']:.2f} s",
+            (hit, "peer"): f"{prefix['miss_ttft_s']:.1f} s",
+            (hit, "ratio (median of rounds)"): f"{prefix['hit_over_miss']['median']:.3f}x",
+            (tps, "Ember"): f"{c16['continuous_tps']:.1f}",
+            (tps, "peer"): f"{c16['static_tps']:.1f}",
+            (tps, "ratio (median of rounds)"): f"{c16['ratio']['median']:.2f}x"}
+
+
+def operator_state(doc: dict[str, Any]) -> Cells:
+    """``tests/e2e/test_operator_state.py``'s figures: read after write and the switch time."""
+    row = "new traffic weights, every edge"
+    return {(row, "GETs right after a 200 PUT showing them"):
+            f"{doc['read_after_write_gets']} of {doc['read_after_write_gets']}",
+            (row, "routed by them within (max of 8 switches)"): f"{doc['max_switch_s']:.2f} s",
+            (row, "edges"): str(doc["edges"])}
+
+
 #: Results file (relative to the repository root) -> the cells its tables quote.
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,
@@ -126,6 +171,9 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/offline.json": offline,
     "bench/results/profile_path_two_hops.json": profile_two_hops,
     "bench/results/profile_path.json": profile_edges,
+    "bench/results/coldstart_sizes.short.json": coldstart_sizes,
+    "bench/results/llm.json": llm,
+    "bench/results/operator_state.json": operator_state,
 }
 
 
