@@ -38,8 +38,10 @@ START_S = 240.0
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     port = free_port()
+    # The admin routes (/-/traffic, /-/status, ...) from loopback without a key.
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_WARM_RUNTIME": "0",
-           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "EMBER_ADMIN_LOOPBACK": "1"}
     env.pop("RAY_ADDRESS", None)  # a local run: never join someone else's cluster
     return env
 
