@@ -3,14 +3,16 @@
 On pytest's ``pythonpath`` (like ``support``), so every layer imports it as ``harness``:
 
 * :class:`EmberRun`: ``ember run TARGET`` as a child process in its own session, logged to
-  a file, ready once it prints its banner (and ``/readyz`` answers, if asked), stopped with
-  SIGTERM and, if that hangs, SIGKILL of the whole session.
+  a file, ready once it prints its banner (and ``/readyz`` answers, if asked), signalled by
+  PID, stopped with SIGTERM and, if that hangs, SIGKILL of the whole session; it records the
+  processes the run starts, so a test can check that none outlives it.
 * :func:`scrape` and :func:`metric`: one ``/metrics`` scrape, parsed by prometheus_client.
 * :func:`moto_s3`: moto's standalone S3 server on 127.0.0.1, and :func:`s3_options`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -32,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBER = Path(sys.executable).with_name("ember")
 #: What ``ember run`` prints once its apps are deployed.
 BANNER = "Press Ctrl-C"
+#: What a crash or an unhandled signal prints; a clean stop prints neither.
+STACK_MARKERS = ("Traceback (most recent call last)", "*** SIGTERM received", "*** SIGINT received",
+                 "KeyboardInterrupt")
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -50,6 +56,10 @@ def run_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
 class EmberRun:
     """``ember run`` (or any command that starts it) as a child in its own session.
 
+    The session also lets every process the run starts (Ray's included) be found by its
+    session id as well as by the process tree: :meth:`record` notes them (PID and start
+    time), so a test can check that none outlives the run (:meth:`assert_nothing_left`).
+
     Args:
         target: ``module:attr`` or ``file.py:attr`` for ``ember run``.
         tmp_path: Where the log (``log_name``) and the run's cache go.
@@ -58,6 +68,7 @@ class EmberRun:
         full_env: The whole environment instead (``EMBER_PORT`` set in it).
         argv: A whole command line instead of ``ember run target`` (e.g. ``make run``).
         port: The port; a free one by default.
+        extra_args: More arguments after ``ember run target``.
 
     Example:
         >>> with EmberRun("examples/mlp_app.py:app", tmp_path) as run:  # doctest: +SKIP
@@ -83,6 +94,9 @@ class EmberRun:
             # Own session: if SIGTERM is not enough, the SIGKILL reaches Ray's children too.
             self.proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+        #: Every process of the run seen so far (by PID and start time): see :meth:`record`.
+        self.seen: dict[int, psutil.Process] = {}
 
     def __enter__(self) -> EmberRun:
         return self
@@ -99,35 +113,110 @@ class EmberRun:
         return tail(self.log, chars)
 
     def wait_ready(self, timeout_s: float, *, http: bool = False) -> None:
-        """Fail unless the banner is printed (and ``/readyz`` is 200, if ``http``) in time."""
+        """Fail unless the banner is printed (and ``/readyz`` is 200, if ``http``) in time.
+
+        Fails at once if the command exits first; on a timeout, kills the session first.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{self.tail()}")
-            if BANNER in self.text() and (not http or _ready(self.url)):
+            if BANNER in self.text() and (not http or ready(self.url)):
                 return
+            self.record()
             time.sleep(0.2)
+        self.kill_session()
         pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{self.tail()}")
 
-    def signal_ember(self, sig: int = signal.SIGTERM) -> None:
-        """Send ``sig`` to the command itself (for ``make run``: to ember, its child)."""
+    # -- the run's processes -------------------------------------------------------------
+    def record(self) -> dict[int, psutil.Process]:
+        """Add the run's processes alive now (its tree and its session) to :attr:`seen`."""
+        found: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):
+            found = psutil.Process(self.pid).children(recursive=True)
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(process.pid) == self.pid and process.pid != self.pid:
+                    found.append(process)
+        self.seen.update({p.pid: p for p in found})
+        return {p.pid: p for p in found}
+
+    def alive(self) -> list[psutil.Process]:
+        """Processes of :attr:`seen` still running (same PID and start time), not zombies."""
+        left = []
+        for process in self.seen.values():
+            with contextlib.suppress(psutil.Error):
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(process)
+        return left
+
+    # -- signals and stopping ------------------------------------------------------------
+    def send(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the command itself, by PID (not to its group), after a
+        :meth:`record`, so the processes it may take down are known."""
+        self.record()
         self.proc.send_signal(sig)
 
+    def wait(self, timeout_s: float = 180) -> int:
+        """The exit code; on a hang, kill the session and fail."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_session()
+            pytest.fail(f"`ember run` still running {timeout_s:g}s on:\n{self.tail()}")
+
     def stop(self, timeout_s: float = 120, *, fail_on_hang: bool = True) -> int:
-        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail, if asked)."""
+        """SIGTERM (if still running) and wait; on a hang, kill the session (and fail, if
+        asked)."""
         if self.proc.poll() is None:
-            self.signal_ember(signal.SIGTERM)
+            self.send(signal.SIGTERM)
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+            self.kill_session()
             if fail_on_hang:
                 pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n{self.tail()}")
         return int(self.proc.returncode)
 
+    def kill(self) -> None:
+        """SIGKILL the command by its PID (nothing of it gets a chance to clean up), then
+        whatever of the run outlived it (:meth:`kill_session`), so the port is free again."""
+        self.send(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        self.kill_session()
 
-def _ready(url: str) -> bool:
+    def kill_session(self) -> None:
+        """SIGKILL the run's session and every process of :attr:`seen` still alive."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for process in self.alive():
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    # -- checks --------------------------------------------------------------------------
+    def assert_no_stack(self) -> None:
+        """No traceback or unhandled-signal message in the log (a clean stop prints none)."""
+        text = self.text()
+        found = [m for m in STACK_MARKERS if m in text]
+        assert not found, f"{found} in the output:\n{self.tail(6000)}"
+
+    def assert_nothing_left(self, timeout_s: float = 30) -> None:
+        """No process the run was seen with outlives it by more than ``timeout_s``."""
+        assert self.seen, "no process of the run was ever recorded"
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in self.alive()]
+        if left:
+            self.kill_session()
+        assert not left, f"{len(left)} processes of the run outlived it:\n" + "\n".join(left)
+
+
+def ready(url: str) -> bool:
+    """Whether ``/readyz`` at ``url`` answers 200 now."""
     try:
         return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
     except httpx.HTTPError:

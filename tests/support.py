@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +14,6 @@ import pytest
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
-EMBER = Path(sys.executable).with_name("ember")
 
 
 def free_port() -> int:
@@ -109,47 +104,3 @@ def every_edge_sees(url: str, name: str, replicas: int) -> bool:
 
 def tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
-
-
-class Run:
-    """``ember run`` of an app (the flagship unless told) as a child process in its own
-    session, logged to a file."""
-
-    def __init__(self, env: dict[str, str], log: Path,
-                 target: str = "ember.deployments.embeddings:app", *args: str) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(EMBER), "run", target, *args], cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`ember run` exited with {self.proc.returncode}:\n{tail(self.log)}")
-            if "Press Ctrl-C" in self.log.read_text(errors="replace"):
-                return
-            time.sleep(0.5)
-        pytest.fail(f"`ember run` not ready in {timeout_s:g}s:\n{tail(self.log)}")
-
-    def stop(self, timeout_s: float = 120) -> int:
-        """SIGTERM and wait; SIGKILL the whole session if it hangs (and fail)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-                pytest.fail(f"`ember run` ignored SIGTERM for {timeout_s:g}s:\n"
-                            f"{tail(self.log)}")
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL ``ember run`` by its PID, then whatever of its cluster outlived it (the
-        rest of its session), so the next run finds the port free."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)

@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from support import EMBER, ROOT, Run, free_port, tail, wait_for
+from harness import EMBER, ROOT, EmberRun, tail
+from support import free_port, wait_for
 
 TARGET = "tests/integration/apps/rollouts.py:app"
 START_S = 240.0
@@ -37,8 +38,10 @@ START_S = 240.0
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     port = free_port()
+    # The admin routes (/-/traffic, /-/status, ...) from loopback without a key.
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_WARM_RUNTIME": "0",
-           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "EMBER_ADMIN_LOOPBACK": "1"}
     env.pop("RAY_ADDRESS", None)  # a local run: never join someone else's cluster
     return env
 
@@ -50,13 +53,13 @@ class Runs:
         self.env, self.tmp_path = env, tmp_path
         self.url = f"http://127.0.0.1:{env['EMBER_PORT']}"
         self.state_dir = tmp_path / "state"
-        self.current: Run | None = None
+        self.current: EmberRun | None = None
         self.count = 0
 
-    def start(self) -> Run:
+    def start(self) -> EmberRun:
         self.count += 1
-        run = Run(self.env, self.tmp_path / f"run{self.count}.log", TARGET,
-                  "--state-dir", str(self.state_dir))
+        run = EmberRun(TARGET, self.tmp_path, full_env=self.env, log_name=f"run{self.count}.log",
+                       extra_args=["--state-dir", str(self.state_dir)])
         self.current = run
         run.wait_ready(START_S)
         return run

@@ -38,7 +38,7 @@ class MakeRun(EmberRun):
     """``make run``: ember runs as make's child, so stop ember itself, as a supervisor would;
     make then exits with ember's status."""
 
-    def signal_ember(self, sig: int = signal.SIGTERM) -> None:
+    def send(self, sig: int = signal.SIGTERM) -> None:
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             if "ember" in " ".join(child.cmdline()):
                 child.send_signal(sig)

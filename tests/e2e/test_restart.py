@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from run_process import EMBER, ROOT, EmberRun, tail
-
+from harness import EMBER, ROOT, EmberRun, tail
 from support import free_port
 
 TARGET = "ember.deployments.embeddings:app"
@@ -62,30 +60,28 @@ def test_restart_with_the_origin_down_serves_from_the_cache(tmp_path: Path) -> N
     size = origin.stat().st_size
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "EMBER_MINILM_WEIGHTS": origin.as_uri(),
-           "EMBER_CACHE_DIR": str(tmp_path / "cache"), "EMBER_PORT": str(port),
-           "EMBER_WARM_POOL": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("EMBER_REGIONAL_CACHE", None)  # the node cache alone must be enough
+    env = {"EMBER_MINILM_WEIGHTS": origin.as_uri(), "EMBER_WARM_POOL": "0"}
+    unset = ["EMBER_REGIONAL_CACHE"]  # the node cache alone must be enough
 
-    first = EmberRun(TARGET, env, tmp_path / "run1.log")
+    first = EmberRun(TARGET, tmp_path, env=env, unset=unset, port=port, log_name="run1.log")
     try:
         first.wait_ready(150)
         before = _embed(url, first.log)
     finally:
-        code = first.stop()
+        code = first.stop(180)
     assert code == 0, tail(first.log)
 
     shutil.rmtree(origin.parent)  # the origin is now unreachable
-    cached = _cache_ls(env)
+    cached = _cache_ls(first.env)
     assert len(cached) == 1 and f" {size} " in f" {cached[0]} ", cached
 
-    second = EmberRun(TARGET, env, tmp_path / "run2.log")
+    second = EmberRun(TARGET, tmp_path, env=env, unset=unset, port=port, log_name="run2.log")
     try:
         second.wait_ready(150)
         after = _embed(url, second.log)
     finally:
-        code = second.stop()
+        code = second.stop(180)
     assert code == 0, tail(second.log)
     assert _cosine(before, after) >= 0.9999
     # Nothing was lost or re-fetched: the same blob, still the only one.
-    assert [line.split()[:2] for line in _cache_ls(env)] == [cached[0].split()[:2]]
+    assert [line.split()[:2] for line in _cache_ls(second.env)] == [cached[0].split()[:2]]

@@ -9,7 +9,6 @@ prints no stack; nothing the run started outlives it.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from pathlib import Path
@@ -17,20 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from run_process import EmberRun, ready
-
-from support import free_port, wait_for
+from harness import EmberRun, ready
+from support import wait_for
 
 TARGET = "tests/e2e/sleeper_app.py:app"
 IN_FLIGHT = 16
 
 
 def _start(tmp_path: Path, **env: str) -> tuple[EmberRun, str]:
-    port = free_port()
-    run = EmberRun(TARGET, {**os.environ, "EMBER_PORT": str(port),
-                            "EMBER_CACHE_DIR": str(tmp_path / "cache"), **env},
-                   tmp_path / "run.log")
-    return run, f"http://127.0.0.1:{port}"
+    run = EmberRun(TARGET, tmp_path, env=env)
+    return run, run.url
 
 
 async def _sleep_calls(client: httpx.AsyncClient, url: str, seconds: float,
@@ -56,8 +51,8 @@ def test_sigterm_during_startup_stops_cleanly_and_never_was_ready(tmp_path: Path
     finally:
         if run.proc.poll() is None:
             run.kill_session()
-    assert code == 0, run.output()[-3000:]
-    assert "Press Ctrl-C" not in run.output()  # it never said it was serving
+    assert code == 0, run.text()[-3000:]
+    assert "Press Ctrl-C" not in run.text()  # it never said it was serving
     run.assert_no_stack()
     run.assert_nothing_left()
 
@@ -71,9 +66,9 @@ def test_signal_right_after_ready_drains_requests_in_flight(tmp_path: Path,
     try:
         wait_for(lambda: ready(url) or run.proc.poll() is not None, 300, interval_s=0.1,
                  what="/readyz 200")
-        assert run.proc.poll() is None, run.output()[-3000:]
+        assert run.proc.poll() is None, run.text()[-3000:]
         # Ready means fully up: the command already said so (its handlers are in place).
-        assert "Press Ctrl-C" in run.output()
+        assert "Press Ctrl-C" in run.text()
 
         async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as client:
@@ -97,7 +92,7 @@ def test_signal_right_after_ready_drains_requests_in_flight(tmp_path: Path,
     assert readyz.status_code == 503 and readyz.json()["phase"] == "draining"
     assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
     assert late.json()["error"]["type"] == "ShuttingDown"
-    assert code == 0, run.output()[-3000:]
+    assert code == 0, run.text()[-3000:]
     run.assert_no_stack()
     run.assert_nothing_left()
 
@@ -124,9 +119,9 @@ def test_second_signal_stops_at_once_and_leaves_nothing(tmp_path: Path) -> None:
     finally:
         if run.proc.poll() is None:
             run.kill_session()
-    assert run.proc.returncode == 4, run.output()[-3000:]
+    assert run.proc.returncode == 4, run.text()[-3000:]
     assert stopped_in_s < 30, stopped_in_s  # not the 50 s the requests would have taken
-    assert "SIGINT again: stopping now" in run.output()
+    assert "SIGINT again: stopping now" in run.text()
     run.assert_no_stack()
     run.assert_nothing_left()
 
