@@ -46,9 +46,12 @@ def tail(path: Path, chars: int = 3000) -> str:
 
 
 def run_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
-    """The environment of a local ``ember run``: its own port, cache and (never joined) Ray."""
+    """The environment of a local ``ember run``: its own port, cache, state and (never joined)
+    Ray."""
+    # XDG_DATA_HOME: the run's operator state (ember run's default --state-dir) is the
+    # test's own, never a previous run's left in the user's data directory.
     env = {**os.environ, "EMBER_PORT": str(port), "EMBER_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONUNBUFFERED": "1", **extra}
+           "XDG_DATA_HOME": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1", **extra}
     env.pop("RAY_ADDRESS", None)  # a local run: never join (and kill in) another cluster
     return env
 
