@@ -82,7 +82,8 @@ def coldstart_lm(short: bool) -> Scenario:
     args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2", "--zero-wait-s", "120",
             "--weights-dir", str(folder), "--budget-cold-max-ms", "120000")
     env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
-    return Scenario("coldstart-lm", "lm_app", args, 420 if short else 600, server_env=env)
+    return Scenario("coldstart-lm", "lm_app", args, 420 if short else 600, server_env=env,
+                    locustfile="coldstart_lm")
 
 
 def scenarios(short: bool) -> list[Scenario]:

@@ -84,7 +84,8 @@ class Head:
                "RAY_external_storage_namespace": uuid.uuid4().hex,
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(APP_DIR)]),
                "EMBER_PORT": str(self.port), "EMBER_WARM_RUNTIME": "0",
-               "PYTHONUNBUFFERED": "1"}
+               # The test's admin calls come from loopback with no admin key.
+               "EMBER_ADMIN_LOOPBACK": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("RAY_ADDRESS", None)
         script = textwrap.dedent("""
             import threading
