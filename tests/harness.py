@@ -277,3 +277,14 @@ def moto_s3() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+def versions_served(client: httpx.Client, url: str, n: int) -> dict[str, int]:
+    """POST ``n`` requests to ``url``'s ``/embed``; how many each version answered (all 200)."""
+    seen: dict[str, int] = {}
+    for i in range(n):
+        reply = client.post(f"{url}/embed", json={"text": f"r{i}"})
+        assert reply.status_code == 200, reply.text
+        version = reply.headers["X-Ember-Version"]
+        seen[version] = seen.get(version, 0) + 1
+    return seen

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import httpx
@@ -104,3 +107,14 @@ def every_edge_sees(url: str, name: str, replicas: int) -> bool:
 
 def tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
+
+
+def bench_module(name: str) -> ModuleType:
+    """``bench/<name>.py`` imported by path (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module

@@ -28,6 +28,7 @@ import httpx
 import psutil
 import pytest
 
+from harness import versions_served
 from support import ROOT, free_port, tail, wait_for
 
 APP_DIR = ROOT / "tests" / "integration" / "apps"
@@ -145,16 +146,6 @@ def _weights(client: httpx.Client, url: str) -> dict[str, int] | None:
     return None
 
 
-def _versions(client: httpx.Client, url: str, n: int) -> dict[str, int]:
-    seen: dict[str, int] = {}
-    for i in range(n):
-        reply = client.post(f"{url}/embed", json={"text": f"r{i}"})
-        assert reply.status_code == 200, reply.text
-        version = reply.headers["X-Ember-Version"]
-        seen[version] = seen.get(version, 0) + 1
-    return seen
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_traffic_and_serving_survive_the_gcs_dying_when_it_keeps_its_tables_in_redis(
@@ -171,7 +162,7 @@ def test_traffic_and_serving_survive_the_gcs_dying_when_it_keeps_its_tables_in_r
         gcs.send_signal(signal.SIGKILL)
         wait_for(lambda: head.gcs() is None, 30, what="the GCS to die")  # a zombie counts
         # Requests already routed go on while the GCS is down: Ray's handles need no GCS.
-        assert set(_versions(client, url, 20)) <= {"1", "2"}
+        assert set(versions_served(client, url, 20)) <= {"1", "2"}
         time.sleep(3)
         assert head.gcs() is None, "Ray restarted the GCS itself: this test can drop that step"
         head.restarted = subprocess.Popen(command, env=environ, cwd=cwd,
@@ -181,7 +172,7 @@ def test_traffic_and_serving_survive_the_gcs_dying_when_it_keeps_its_tables_in_r
         # The restarted GCS reads its tables back from Redis: the edges read the split there.
         wait_for(lambda: _weights(client, url) == {"1": 80, "2": 20}, 120,
                  what=f"80/20 read back after the GCS restart:\n{tail(head.log)}")
-        seen = _versions(client, url, 300)
+        seen = versions_served(client, url, 300)
         assert 0.12 <= seen.get("2", 0) / 300 <= 0.28, seen
         # And it takes new settings.
         reply = client.put(f"{url}/-/traffic/Embed", json={"1": 50, "2": 50})

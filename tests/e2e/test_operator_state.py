@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import EMBER, ROOT, EmberRun, tail
+from harness import EMBER, ROOT, EmberRun, tail, versions_served
 from support import free_port, wait_for
 
 TARGET = "tests/integration/apps/rollouts.py:app"
@@ -98,16 +98,6 @@ def _get(client: httpx.Client, url: str, path: str) -> dict[str, Any]:
     return dict(reply.json())
 
 
-def _served(client: httpx.Client, url: str, n: int) -> dict[str, int]:
-    seen: dict[str, int] = {}
-    for i in range(n):
-        reply = client.post(f"{url}/embed", json={"text": f"r{i}"})
-        assert reply.status_code == 200, reply.text
-        version = reply.headers["X-Ember-Version"]
-        seen[version] = seen.get(version, 0) + 1
-    return seen
-
-
 def _edges_seen(client: httpx.Client, url: str) -> set[int]:
     pids = set()
     for _ in range(20):
@@ -159,7 +149,7 @@ def _settings_are_back(client: httpx.Client, runs: Runs) -> None:
     assert _get(client, url, "/-/shadow/Embed")["shadow"] == {"to": "3", "percent": 10}
     # The lease on version 3 (floor 0 in code) holds a replica up in the new cluster.
     wait_for(lambda: _running(client, url, "Embed@3") >= 1, 120, what="the leased replica")
-    seen = _served(client, url, 400)
+    seen = versions_served(client, url, 400)
     share = seen.get("2", 0) / 400
     assert 0.12 <= share <= 0.28 and "3" not in seen, seen
 
@@ -224,7 +214,7 @@ def _rollout_went_on(client: httpx.Client, runs: Runs, env: dict[str, str]) -> N
     total: dict[str, int] = {}
     while time.monotonic() < deadline:  # a while of traffic: it never jumps to 100%
         assert _get(client, url, "/-/traffic/Embed")["weights"] == {"1": 90, "2": 10, "3": 0}
-        for version, n in _served(client, url, 50).items():
+        for version, n in versions_served(client, url, 50).items():
             total[version] = total.get(version, 0) + n
     share = total.get("2", 0) / sum(total.values())
     assert 0.03 <= share <= 0.2, total

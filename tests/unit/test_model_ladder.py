@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import filecmp
-import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import bench_module
 
 
 @pytest.fixture(scope="module")
-def ladder() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        yield importlib.import_module("model_ladder")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+def ladder() -> ModuleType:
+    return bench_module("model_ladder")
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(ladder: ModuleType, tmp_path: Path) -> None:

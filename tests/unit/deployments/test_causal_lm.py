@@ -3,11 +3,9 @@ mapped tensors assigned (no copy), and the page-cache residency it relies on."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -18,16 +16,12 @@ from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
 from ember.errors import InsufficientMemory
 from ember.loaders.pages import evict, prefetch, resident_bytes
 
-ROOT = Path(__file__).resolve().parents[3]
+from support import bench_module
 
 
 @pytest.fixture(scope="module")
-def ladder() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        yield importlib.import_module("model_ladder")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+def ladder() -> ModuleType:
+    return bench_module("model_ladder")
 
 
 @pytest.fixture(scope="module")
