@@ -136,20 +136,23 @@ def test_requests_that_arrive_while_a_batch_runs_go_together_as_the_next_batch()
 
 def test_a_request_that_gave_up_is_left_out_of_the_next_batch() -> None:
     calls: list[list[int]] = []
+    release = asyncio.Event()
 
     async def forward(batch: Any) -> Any:
         calls.append(list(batch))
-        await asyncio.sleep(0.05)
+        await release.wait()  # the first batch runs until the test lets it go
         return list(batch)
 
     async def main() -> Any:
         submit = make_batcher(forward, Batch(max_size=32, max_wait_ms=1), LIST_CODEC)
         first = asyncio.ensure_future(submit([0]))
-        await asyncio.sleep(0.01)
+        while not calls:  # the first batch is running (a condition, not a guess of time)
+            await asyncio.sleep(0.001)
         gone = asyncio.ensure_future(submit([1]))
         kept = asyncio.ensure_future(submit([2]))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
         gone.cancel()  # its caller timed out while the first batch ran
+        release.set()
         return await asyncio.gather(first, kept)
 
     assert asyncio.run(main()) == [[0], [2]]
