@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from support import free_port
+from support import free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBER = Path(sys.executable).with_name("ember")
@@ -38,11 +38,6 @@ BANNER = "Press Ctrl-C"
 #: What a crash or an unhandled signal prints; a clean stop prints neither.
 STACK_MARKERS = ("Traceback (most recent call last)", "*** SIGTERM received", "*** SIGINT received",
                  "KeyboardInterrupt")
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    """The end of a log file, for failure messages."""
-    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
 
 
 def run_env(tmp_path: Path, port: int, **extra: str) -> dict[str, str]:

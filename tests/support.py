@@ -106,6 +106,7 @@ def every_edge_sees(url: str, name: str, replicas: int) -> bool:
 
 
 def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log file, for failure messages."""
     return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
 
 

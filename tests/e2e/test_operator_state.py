@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness import EMBER, ROOT, EmberRun, tail, versions_served
-from support import free_port, wait_for
+from harness import EMBER, ROOT, EmberRun, versions_served
+from support import free_port, tail, wait_for
 
 TARGET = "tests/integration/apps/rollouts.py:app"
 START_S = 240.0

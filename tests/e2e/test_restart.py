@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness import EMBER, ROOT, EmberRun, tail
-from support import free_port
+from harness import EMBER, ROOT, EmberRun
+from support import free_port, tail
 
 TARGET = "ember.deployments.embeddings:app"
 
