@@ -62,6 +62,10 @@ class Backend(ABC):
         """Move a sequence's cache from slot ``src`` to the free slot ``dst``."""
 
     @abstractmethod
+    def fork(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s cache into the free slot ``dst``; ``src`` keeps its own."""
+
+    @abstractmethod
     def free(self, slot: int) -> None:
         """Forget ``slot``'s sequence."""
 
@@ -105,6 +109,9 @@ class TinyLMBackend(Backend):
 
     def move(self, src: int, dst: int) -> None:
         self._cache().move(src, dst)
+
+    def fork(self, src: int, dst: int) -> None:
+        self._cache().fork(src, dst)
 
     def free(self, slot: int) -> None:
         self._cache().free(slot)

@@ -14,7 +14,11 @@ computed, as a padded batch is. ``max_num_seqs=1`` is one request at a time.
 
 Admission is decided before any work: a request that can never fit is a ``BadRequest``
 (400) naming the field, one that arrives while ``max_waiting_seqs`` wait is ``QueueFull``
-(503 with Retry-After).
+(503 with Retry-After). Which waiting request goes next (priorities, aging, backfill,
+deadlines) is ``_textgen_admission.plan``; a request past its deadline is answered with
+``DeadlineExceeded`` (504), before its prefill if it still waits, or stopped with its slot
+freed if it runs. A request for ``n`` choices is prefilled once; the other choices copy the
+prompt's cache into their own slots (``Backend.fork``) and sample on their own.
 
 Example:
     >>> engine = Engine(backend, EngineConfig(max_num_seqs=8))  # doctest: +SKIP
@@ -29,77 +33,20 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
+from ember.deployments._textgen_admission import EngineConfig, Need, Waiting, plan
 from ember.deployments._textgen_backend import Backend, Detokenizer
 from ember.deployments._textgen_sampling import SamplingParams, StopText, generator_for, sample
-from ember.errors import BadRequest, QueueFull
+from ember.errors import BadRequest, DeadlineExceeded, QueueFull
+
+__all__ = ["Chunk", "Engine", "EngineConfig", "Need"]
 
 FinishReason = Literal["stop", "length"]
-
-
-class EngineConfig(BaseModel):
-    """Limits of one engine (one replica)."""
-
-    model_config = ConfigDict(frozen=True)
-    max_num_seqs: PositiveInt = 16
-    #: Tokens (prompt + max_tokens) all running sequences may reserve together.
-    max_num_batched_tokens: PositiveInt = 8192
-    #: Requests that may wait for a slot; one more is refused with 503 at once.
-    max_waiting_seqs: NonNegativeInt = 64
-    mode: Literal["continuous", "static"] = "continuous"
-    static_wait_s: NonNegativeFloat = 0.05
-    name: str = Field("textgen", description="The deployment named in errors.")
-
-
-@dataclass(frozen=True)
-class Need:
-    """What a waiting sequence asks of the schedule."""
-
-    prompt_tokens: int
-    max_tokens: int
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
-
-
-def admit_count(waiting: Sequence[Need], *, running: int, reserved: int, config: EngineConfig,
-                max_len: int, oldest_wait_s: float) -> int:
-    """How many sequences from the head of ``waiting`` join the batch at this step.
-
-    First come, first served: the head is never overtaken, so a long request cannot starve.
-
-    Example:
-        >>> cfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=100)
-        >>> admit_count([Need(10, 40)] * 3, running=0, reserved=0, config=cfg, max_len=512,
-        ...             oldest_wait_s=0)
-        2
-    """
-    if config.mode == "static":
-        ready = len(waiting) >= config.max_num_seqs or oldest_wait_s >= config.static_wait_s
-        if running or not ready:
-            return 0
-    count, longest_prompt, longest_output = 0, 0, 0
-    for need in waiting:
-        if running + count >= config.max_num_seqs:
-            break
-        if reserved + need.tokens > config.max_num_batched_tokens:
-            break
-        if config.mode == "static":
-            # Every member of a static batch runs as long as its longest one.
-            longest_prompt = max(longest_prompt, need.prompt_tokens)
-            longest_output = max(longest_output, need.max_tokens)
-            if longest_prompt + longest_output > max_len:
-                break
-        reserved += need.tokens
-        count += 1
-    return count
 
 
 @dataclass
@@ -116,6 +63,8 @@ class Chunk:
     #: The engine's state when the chunk left: for the edge's gauges.
     running: int
     waiting: int
+    #: Which of the request's ``n`` choices this chunk belongs to.
+    index: int = 0
 
 
 def _ready(queue: asyncio.Queue[Any]) -> list[Any]:
@@ -126,14 +75,21 @@ def _ready(queue: asyncio.Queue[Any]) -> list[Any]:
     return items
 
 
-def _join(chunks: list[Chunk]) -> Chunk:
-    """Chunks that piled up while the caller was busy sending, as one chunk.
+def _join(chunks: list[Chunk]) -> list[Chunk]:
+    """Chunks that piled up while the caller was busy sending, one per choice.
 
     A consumer that keeps up gets one chunk per step; one that falls behind (a transport
     that pays per message, as a stream through Ray and HTTP does) gets every token that
     waited in one message instead of falling further behind: vLLM's stream interval, made
     adaptive.
     """
+    by_index: dict[int, list[Chunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [_merge(group) for group in by_index.values()]
+
+
+def _merge(chunks: list[Chunk]) -> Chunk:
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
@@ -157,10 +113,30 @@ class _Seq:
     finish: FinishReason | None = None
     cancelled: bool = False
     done: bool = False  # finished and told; in static mode it may still pad its batch
+    index: int = 0
+    priority: int = 0
+    timeout_s: float | None = None
+    blocked_since: float | None = None
+    #: The request's other choices: they wait with it and copy its prompt's cache.
+    forks: list[_Seq] = field(default_factory=list)
 
     @property
     def need(self) -> Need:
-        return Need(len(self.prompt), self.params.max_tokens)
+        return Need(len(self.prompt), self.params.max_tokens, 1 + len(self.forks))
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.timeout_s is None else self.arrived + self.timeout_s
+
+    def waiting(self) -> Waiting:
+        return Waiting(self.need, self.priority, self.arrived, self.deadline,
+                       self.blocked_since)
+
+    def expired(self) -> DeadlineExceeded:
+        """The 504 for this request, saying whether anything was computed."""
+        when = ("while it waited for a slot; nothing was computed" if self.slot < 0 else
+                f"while it ran, after {len(self.tokens)} tokens; it was stopped")
+        return DeadlineExceeded(timeout_s=self.timeout_s, when=when)
 
     def take(self, token: int, eos: int | None) -> None:
         """Record this step's token and whether the sequence is finished."""
@@ -204,49 +180,86 @@ class Engine:
     def slots_used(self) -> int:
         return len(self._running)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
-        """Stream one sequence's chunks; closing the iterator cancels the sequence.
+    async def generate(self, prompt: list[int], params: SamplingParams, *, n: int = 1,
+                       priority: int = 0, timeout_s: float | None = None
+                       ) -> AsyncIterator[Chunk]:
+        """Stream the chunks of ``n`` choices (each chunk says its ``index``); closing the
+        iterator cancels them.
+
+        Args:
+            priority: higher goes first (see ``_textgen_admission``).
+            timeout_s: the request's deadline, counted from now.
 
         Raises:
-            BadRequest: the prompt plus ``max_tokens`` can never fit.
+            BadRequest: the prompt plus ``max_tokens`` (times ``n``) can never fit.
             QueueFull: ``max_waiting_seqs`` requests already wait.
+            DeadlineExceeded: ``timeout_s`` passed, waiting or running.
         """
-        seq = self._submit(prompt, params)
+        group = self._submit(prompt, params, n=n, priority=priority, timeout_s=timeout_s)
+        head, open_choices = group[0], n
         try:
-            while True:
-                items = [await seq.queue.get(), *_ready(seq.queue)]
-                chunks = [i for i in items if not isinstance(i, BaseException)]
-                if chunks:  # tokens that came before an error still reach the caller
-                    merged = _join(chunks)
+            while open_choices:
+                items = [await self._next(head), *_ready(head.queue)]
+                # Tokens that came before an error still reach the caller.
+                for merged in _join([i for i in items if not isinstance(i, BaseException)]):
                     yield merged
-                    if merged.finish_reason is not None:
-                        return
+                    open_choices -= merged.finish_reason is not None
                 for item in items:
-                    if isinstance(item, BaseException):
+                    if open_choices and isinstance(item, BaseException):
                         raise item
         finally:
-            if seq.finish is None:  # the caller left early: free the slot at the next step
-                seq.cancelled = True
+            if any(s.finish is None for s in group):  # left early: free the slots now
+                for seq in group:
+                    seq.cancelled = True
                 self._wake.set()
 
-    def _submit(self, prompt: list[int], params: SamplingParams) -> _Seq:
-        need = Need(len(prompt), params.max_tokens)
-        limit = min(self.backend.max_len, self.config.max_num_batched_tokens)
-        if need.tokens > limit:
-            raise BadRequest(f"the prompt ({need.prompt_tokens} tokens) plus max_tokens "
-                             f"({need.max_tokens}) is over this model's limit of {limit} tokens",
-                             param="max_tokens")
+    async def _next(self, head: _Seq) -> Chunk | BaseException:
+        """The group's next item, or its 504 the moment its deadline passes."""
+        if head.deadline is None or not head.queue.empty():
+            return await head.queue.get()
+        try:
+            return await asyncio.wait_for(head.queue.get(), head.deadline - time.monotonic())
+        except TimeoutError:
+            return head.expired()
+
+    def room(self, prompt_tokens: int, n: int = 1) -> int:
+        """The most ``max_tokens`` a prompt of ``prompt_tokens`` may ask for (``n`` choices)."""
+        limit = min(self.backend.max_len, self.config.max_num_batched_tokens // n)
+        return limit - prompt_tokens
+
+    def _check(self, need: Need) -> None:
+        """400 naming the field, for a request that can never be admitted."""
+        if need.n > self.config.max_num_seqs:
+            raise BadRequest(f"n: {need.n} choices are over this deployment's limit of "
+                             f"{self.config.max_num_seqs}", param="n")
+        room = self.room(need.prompt_tokens, need.n)
+        if need.max_tokens > room:
+            limit = room + need.prompt_tokens
+            per = f" for each of {need.n} choices" if need.n > 1 else ""
+            raise BadRequest(f"max_tokens: the prompt ({need.prompt_tokens} tokens) plus "
+                             f"max_tokens ({need.max_tokens}) is over this model's limit of "
+                             f"{limit} tokens{per}", param="max_tokens")
+
+    def _submit(self, prompt: list[int], params: SamplingParams, *, n: int, priority: int,
+                timeout_s: float | None) -> list[_Seq]:
+        self._check(Need(len(prompt), params.max_tokens, n))
         # Sequences that a free slot takes at the next step are not waiting for one.
         free = max(0, self.config.max_num_seqs - len(self._running))
         if len(self._waiting) >= self.config.max_waiting_seqs + free:
             raise QueueFull(deployment=self.config.name, queued=len(self._waiting),
                             limit=self.config.max_waiting_seqs)
-        seq = _Seq(prompt, params, self.backend.detokenizer(), generator_for(params.seed),
-                   stop_text=StopText(params.stop))
-        self._waiting.append(seq)
+        # Seeded choices differ from each other, each still reproducible.
+        group = [_Seq(prompt, params, self.backend.detokenizer(),
+                      generator_for(None if params.seed is None else params.seed + i),
+                      stop_text=StopText(params.stop), index=i, priority=priority,
+                      timeout_s=timeout_s) for i in range(n)]
+        for fork in group[1:]:
+            fork.queue, fork.arrived = group[0].queue, group[0].arrived
+        group[0].forks = group[1:]
+        self._waiting.append(group[0])
         self._ensure_loop()
         self._wake.set()
-        return seq
+        return group
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -270,14 +283,20 @@ class Engine:
             if not self._running:  # static mode gathering a batch
                 await asyncio.sleep(self.config.static_wait_s / 4)
                 continue
-            try:
-                await asyncio.to_thread(self._step, len(self._running) - len(fresh), fresh)
+            try:  # a request's other choices are not prefilled: they fork from its prompt
+                await asyncio.to_thread(self._step, len(self._running) - len(fresh),
+                                        [s for s in fresh if s.index == 0])
                 self.steps += 1
                 self._deliver()
             except Exception as exc:  # a failed step fails its sequences, not the replica
                 self._fail_running(exc)
 
     def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for seq in self._running:  # past its deadline: told (504) and stopped like a leaver
+            if seq.deadline is not None and seq.deadline <= now and not seq.done:
+                seq.queue.put_nowait(seq.expired())
+                seq.cancelled = True
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
         for seq in [s for s in self._running if s.cancelled and not s.done]:
             seq.done = True
@@ -285,15 +304,23 @@ class Engine:
                 self._release(seq)
 
     def _admit(self) -> list[_Seq]:
-        oldest = time.monotonic() - self._waiting[0].arrived if self._waiting else 0.0
-        count = admit_count([s.need for s in self._waiting], running=len(self._running),
-                            reserved=sum(s.need.tokens for s in self._running),
-                            config=self.config, max_len=self.backend.max_len,
-                            oldest_wait_s=oldest)
-        fresh = [self._waiting.popleft() for _ in range(count)]
+        now = time.monotonic()
+        waiting = list(self._waiting)
+        decision = plan([s.waiting() for s in waiting], running=len(self._running),
+                        reserved=sum(len(s.prompt) + s.params.max_tokens
+                                     for s in self._running),
+                        config=self.config, max_len=self.backend.max_len, now_s=now,
+                        oldest_wait_s=now - min((s.arrived for s in waiting), default=now))
+        for i in decision.expire:  # never prefilled: nothing was computed for it
+            waiting[i].queue.put_nowait(waiting[i].expired())
+        if decision.blocked is not None and waiting[decision.blocked].blocked_since is None:
+            waiting[decision.blocked].blocked_since = now
+        fresh = [seq for i in decision.admit for seq in (waiting[i], *waiting[i].forks)]
         for seq in fresh:
             seq.slot = len(self._running)
             self._running.append(seq)
+        gone = {*decision.admit, *decision.expire}
+        self._waiting = deque(s for i, s in enumerate(waiting) if i not in gone)
         return fresh
 
     def _step(self, decoding: int, fresh: list[_Seq]) -> None:
@@ -310,9 +337,16 @@ class Engine:
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos)
         for seq in fresh:
-            logits = self.backend.prefill(seq.slot, seq.prompt)
-            seq.cached = self.backend.cached_tokens
-            seq.take(sample(logits, seq.params, seq.generator), eos)
+            self._started(seq, self.backend.prefill(seq.slot, seq.prompt), eos)
+
+    def _started(self, seq: _Seq, logits: torch.Tensor, eos: int | None) -> None:
+        """A prefilled prompt's first token; its other choices copy its cache, then sample."""
+        seq.cached = self.backend.cached_tokens
+        seq.take(sample(logits, seq.params, seq.generator), eos)
+        for fork in seq.forks:
+            self.backend.fork(seq.slot, fork.slot)
+            fork.cached = seq.cached
+            fork.take(sample(logits, fork.params, fork.generator), eos)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
@@ -336,7 +370,7 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            cached_tokens=seq.cached, running=running, waiting=waiting))
+            cached_tokens=seq.cached, running=running, waiting=waiting, index=seq.index))
         seq.new = []
 
     def _release(self, seq: _Seq) -> None:

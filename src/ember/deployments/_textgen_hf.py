@@ -115,5 +115,9 @@ class TransformersBackend(Backend):
         self._table().move(src, dst)
 
     @torch.inference_mode()
+    def fork(self, src: int, dst: int) -> None:
+        self._table().fork(src, dst)
+
+    @torch.inference_mode()
     def free(self, slot: int) -> None:
         self._table().free(slot)

@@ -87,12 +87,16 @@ class SlotTable:
         return torch.tensor(self.lengths[:rows]).unsqueeze(1)
 
     def move(self, src: int, dst: int) -> None:
+        self.fork(src, dst)
+        self.free(src)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Copy row ``src`` into ``dst``, keeping ``src`` (a request's other choices)."""
         for tensors in (self.keys, self.values):
             for t in tensors:
                 t[dst, :, :self.col] = t[src, :, :self.col]
         self.valid[dst] = self.valid[src]
         self.lengths[dst] = self.lengths[src]
-        self.free(src)
 
     def free(self, slot: int) -> None:
         self.valid[slot].zero_()

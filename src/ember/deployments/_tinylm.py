@@ -84,10 +84,15 @@ class KVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into ``dst`` (the engine compacts the running batch)."""
+        self.fork(src, dst)
+        self.lengths[src] = 0
+
+    def fork(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` into ``dst``, keeping ``src`` (a request's other choices)."""
         n = self.lengths[src]
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst], self.lengths[src] = n, 0
+        self.lengths[dst] = n
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -3,8 +3,9 @@
 Serve it with ``ember run ember.deployments.textgen:app``:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` true or false,
-  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-  ``stream_options.include_usage``); ``GET /v1/models`` lists the model. The official
+  ``max_tokens``, ``n``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``stream_options.include_usage``; ``X-Ember-Priority`` and ``X-Ember-Timeout-S``, see
+  ``docs/generation-admission.md``); ``GET /v1/models`` lists the model. The official
   ``openai`` client works unchanged.
 * ``POST /generate`` is the deployment's own streaming route (server-sent events).
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import ember
 from ember import loaders, settings
+from ember.deployments._textgen_admission import BATCH
 from ember.deployments._textgen_backend import Backend, TinyLMBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
@@ -98,15 +100,21 @@ class Generator:
         return self.backend.encode(chat_prompt(body.messages or []))
 
     async def stream(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature,
+        prompt = self.prompt_of(body)
+        # No max_tokens: the room the prompt leaves (at least 1, so a prompt with none left
+        # is refused naming max_tokens and the limit).
+        limit = body.max_tokens or max(1, self.engine.room(len(prompt), body.n))
+        params = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(body.stop),
                                 ignore_eos=body.ignore_eos)
-        async for chunk in self.engine.generate(self.prompt_of(body), params):
+        priority = BATCH if body.priority == "batch" else body.priority
+        async for chunk in self.engine.generate(prompt, params, n=body.n, priority=priority,
+                                                timeout_s=body.timeout_s):
             yield {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                    "completion_tokens": chunk.completion_tokens,
                    "cached_tokens": chunk.cached_tokens, "running": chunk.running,
-                   "waiting": chunk.waiting}
+                   "waiting": chunk.waiting, "index": chunk.index}
 
     def warmup(self) -> None:
         """One prefill and one decode step, so the first request does not pay for them."""

@@ -34,6 +34,7 @@ facts reach logs, callers and tests::
     │   ├── ShuttingDown (503)         the server is draining before it stops; Retry-After
     │   ├── UserCodeError (500)        the handler raised; the replica keeps serving
     │   └── RequestTimeout (504)       over request_timeout_s; the work is cancelled
+    │       └── DeadlineExceeded (504) past the caller's X-Ember-Timeout-S, waiting or running
     ├── WeightsError (503)             weights that cannot be trusted or fetched
     │   ├── UnsafeFormat               pickle-based weights; convert to safetensors
     │   ├── HeaderInvalid              the safetensors header lies or is malformed
@@ -68,6 +69,7 @@ from ember.errors._base import (
     BodyTimeout,
     ConfigError,
     Conflict,
+    DeadlineExceeded,
     DeploymentUnavailable,
     EmberError,
     InvalidBody,
@@ -127,6 +129,7 @@ __all__ = [
     "CacheFull",
     "ConfigError",
     "Conflict",
+    "DeadlineExceeded",
     "DeploymentUnavailable",
     "EmberError",
     "Forbidden",

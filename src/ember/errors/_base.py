@@ -164,6 +164,13 @@ class RequestTimeout(ServiceError):
     )
 
 
+class DeadlineExceeded(RequestTimeout):
+    """The caller's own deadline (``X-Ember-Timeout-S``) passed: the request was dropped
+    while it waited (nothing computed) or stopped while it ran (its slot freed)."""
+
+    template = "the request's deadline of {timeout_s} s (X-Ember-Timeout-S) passed {when}"
+
+
 class WeightsError(EmberError):
     """Weights that are unsafe, malformed, changed underneath us, or unreachable."""
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ember.deployments._textgen_backend import TinyLMBackend
-from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need, admit_count
+from ember.deployments._textgen_admission import Waiting, plan
+from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need
 from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus, _overlap
 from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode
 from ember.errors import BadRequest, QueueFull
@@ -140,22 +141,23 @@ def test_a_request_that_cannot_fit_is_a_400_naming_max_tokens(model: TinyLM) -> 
     asyncio.run(scenario())
 
 
+def admitted(needs: list[Need], config: EngineConfig, *, running: int = 0, reserved: int = 0,
+             oldest_wait_s: float = 0) -> int:
+    line = [Waiting(need, arrived_s=i) for i, need in enumerate(needs)]
+    return len(plan(line, running=running, reserved=reserved, config=config, max_len=512,
+                    now_s=0, oldest_wait_s=oldest_wait_s).admit)
+
+
 def test_token_budget_limits_the_running_batch() -> None:
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=100)
     needs = [Need(10, 30)] * 5
-    assert admit_count(needs, running=0, reserved=0, config=cfg, max_len=512,
-                       oldest_wait_s=0) == 2
-    assert admit_count(needs, running=1, reserved=80, config=cfg, max_len=512,
-                       oldest_wait_s=0) == 0
-    assert admit_count(needs, running=7, reserved=0, config=cfg, max_len=512,
-                       oldest_wait_s=0) == 1
+    assert admitted(needs, cfg) == 2
+    assert admitted(needs, cfg, running=1, reserved=80) == 0
+    assert admitted(needs, cfg, running=7) == 1
     static = EngineConfig(max_num_seqs=4, mode="static", static_wait_s=1)
-    assert admit_count(needs[:2], running=0, reserved=0, config=static, max_len=512,
-                       oldest_wait_s=0.1) == 0  # still gathering its batch
-    assert admit_count(needs[:2], running=0, reserved=0, config=static, max_len=512,
-                       oldest_wait_s=1) == 2
-    assert admit_count(needs, running=1, reserved=0, config=static, max_len=512,
-                       oldest_wait_s=5) == 0  # a batch is running
+    assert admitted(needs[:2], static, oldest_wait_s=0.1) == 0  # still gathering its batch
+    assert admitted(needs[:2], static, oldest_wait_s=1) == 2
+    assert admitted(needs, static, running=1, oldest_wait_s=5) == 0  # a batch is running
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(model: TinyLM) -> None:

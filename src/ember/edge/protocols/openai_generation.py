@@ -8,14 +8,19 @@ shape ending with ``data: [DONE]``, and ``stream_options.include_usage`` adds a 
 with ``usage`` and no choices, as OpenAI does.
 
 The first chunk is awaited before the response starts, so a refusal (a full engine, a
-request that cannot fit) is a real status code with ``Retry-After``, not an error event
-inside a 200. Time to first token, inter-token latency, time per output token and tokens
+request that cannot fit, a deadline that passed while it waited) is a real status code with
+``Retry-After``, not an error event inside a 200. ``X-Ember-Priority`` (an integer from -10
+to 10, higher first, or ``batch``) and ``X-Ember-Timeout-S`` (seconds) reach the engine's
+admission as the request's ``priority`` and ``timeout_s``; ``n`` choices stream with their
+``index``. Time to first token, inter-token latency, time per output token and tokens
 per second are measured here, at the edge: what the caller sees, queueing included.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.edge._asgi import error_body, request_id_of
 from ember.edge.protocols import Gateway, Protocol
-from ember.errors import BadRequest, ConfigError, EmberError, InvalidBody
+from ember.errors import BadRequest, ConfigError, DeadlineExceeded, EmberError, InvalidBody
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -56,6 +61,45 @@ class StreamOptions(BaseModel):
 
 #: Longest stop string a request may send: every generated token is checked against each.
 MAX_STOP_CHARS = 256
+#: Most choices one request may ask for.
+MAX_N = 16
+PRIORITY_HEADER, TIMEOUT_HEADER = "X-Ember-Priority", "X-Ember-Timeout-S"
+#: A priority: higher is admitted first; ``batch`` is below every number (spare capacity).
+Priority = Annotated[int, Field(ge=-10, le=10)] | Literal["batch"]
+#: How long past a deadline the edge waits for the replica's own 504 before giving its own
+#: (a request still queued for a replica that is starting never reaches the engine's timer).
+_DEADLINE_GRACE_S = 1.0
+
+
+def priority_of(raw: str | None, body: Priority | None) -> Priority | None:
+    """The ``X-Ember-Priority`` header's priority (it wins over the body's field), or 400."""
+    if raw is None:
+        return body
+    text = raw.strip().lower()
+    if text == "batch":
+        return "batch"
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -10 <= value <= 10:
+        raise BadRequest(f"{PRIORITY_HEADER}: {raw!r} is neither an integer from -10 to 10 "
+                         "nor 'batch'", param=PRIORITY_HEADER)
+    return value
+
+
+def timeout_of(raw: str | None) -> float | None:
+    """The ``X-Ember-Timeout-S`` header's seconds (a positive number), or 400."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise BadRequest(f"{TIMEOUT_HEADER}: {raw!r} is not a positive number of seconds",
+                         param=TIMEOUT_HEADER)
+    return value
 
 
 def check_stops(stops: list[str]) -> list[str]:
@@ -81,7 +125,9 @@ class _Sampling(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    #: Ember's extension (``X-Ember-Priority`` wins over it): higher is admitted first.
+    priority: Priority | None = None
     user: str | None = None
     #: vLLM's extension: decode to max_tokens past the end-of-sequence token, as serving
     #: benchmarks do to control output lengths.
@@ -110,13 +156,18 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    max_tokens: int = Field(16, ge=1)
+    #: None: the room the prompt leaves in the model's context (as OpenAI's chat does).
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=4)
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    priority: Priority = 0
+    #: Seconds from when the replica receives the request: past them, 504.
+    timeout_s: float | None = Field(None, gt=0)
 
 
 class GenerationMetrics:
@@ -157,14 +208,19 @@ class _Timing:
 
     metrics: GenerationMetrics
     model: str
+    n: int = 1
     started: float = field(default_factory=time.monotonic)
     first: float | None = None
     last: float = 0.0
     tokens: int = 0
+    #: Output tokens of each choice so far, and the choices that finished.
+    choices: dict[int, int] = field(default_factory=dict)
+    finished: int = 0
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         now = time.monotonic()
-        tokens = int(chunk["completion_tokens"])
+        self.choices[int(chunk.get("index", 0))] = int(chunk["completion_tokens"])
+        tokens = sum(self.choices.values())
         if self.first is None:
             self.first = now
             self.metrics.ttft.labels(self.model).observe(now - self.started)
@@ -177,7 +233,8 @@ class _Timing:
         self.last, self.tokens = now, tokens
         self.metrics.running.labels(self.model).set(chunk["running"])
         self.metrics.waiting.labels(self.model).set(chunk["waiting"])
-        if chunk["finish_reason"] is not None:
+        self.finished += chunk["finish_reason"] is not None
+        if chunk["finish_reason"] is not None and self.finished == self.n:
             self._finish(chunk)
 
     def _finish(self, chunk: dict[str, Any]) -> None:
@@ -235,20 +292,26 @@ class OpenAIGeneration(Protocol):
         api.add_api_route("/v1/chat/completions", chat, methods=["POST"], tags=["openai"])
         api.add_api_route("/v1/models", models, methods=["GET"], tags=["openai"])
 
-    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest
-                          ) -> GenerateRequest:
+    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest,
+                          request: Request) -> GenerateRequest:
         fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
                                   "seed": body.seed, "stop": check_stops(body.stops()),
-                                  "ignore_eos": body.ignore_eos}
+                                  "ignore_eos": body.ignore_eos, "n": body.n,
+                                  "timeout_s": timeout_of(request.headers.get(TIMEOUT_HEADER))}
+        priority = priority_of(request.headers.get(PRIORITY_HEADER), body.priority)
+        if priority is not None:
+            fields["priority"] = priority
         if isinstance(body, ChatCompletionRequest):
+            # Omitted, chat gets the room the prompt leaves in the context, as OpenAI's does.
             fields["messages"] = body.messages
             limit = body.max_completion_tokens or body.max_tokens
         else:
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             if len(prompts) != 1:
                 raise InvalidBody("prompt: one prompt per request", param="prompt")
-            fields["prompt"], limit = prompts[0], body.max_tokens
-        return GenerateRequest(max_tokens=limit or self.default_max_tokens, **fields)
+            fields["prompt"] = prompts[0]
+            limit = body.max_tokens or self.default_max_tokens
+        return GenerateRequest(max_tokens=limit, **fields)
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      gateway: Gateway, metrics: GenerationMetrics, *, chat: bool) -> Any:
@@ -257,13 +320,14 @@ class OpenAIGeneration(Protocol):
                 "message": f"The model '{body.model}' does not exist", "type":
                 "invalid_request_error", "param": "model", "code": "model_not_found"}}, 404)
         rid = request_id_of(request)
-        timing = _Timing(metrics, self.model)
+        generate = self._generate_request(body, request)
+        timing = _Timing(metrics, self.model, n=body.n)
         # The request object itself, as a native route sends its parsed body: the handler
         # receives its annotated type, never a dict.
-        chunks = gateway.stream(self.deployment, self.attr, self._generate_request(body), rid)
-        shape = _Shape(model=self.model, chat=chat, request_id=rid)
-        first = await anext(chunks)  # a refusal raises here: a real status, before any byte
-        timing.chunk(first)
+        chunks = gateway.stream(self.deployment, self.attr, generate, rid)
+        shape = _Shape(model=self.model, chat=chat, request_id=rid, n=body.n)
+        first = await _first(chunks, generate.timeout_s)  # a refusal raises here: a real
+        timing.chunk(first)                               # status, before any byte
         if not body.stream:
             try:
                 return await shape.whole(first, chunks, timing)
@@ -276,6 +340,49 @@ class OpenAIGeneration(Protocol):
                                           "X-Accel-Buffering": "no"})
 
 
+async def _first(chunks: AsyncIterator[dict[str, Any]],
+                 timeout_s: float | None) -> dict[str, Any]:
+    """The stream's first chunk; 504 if the request's deadline passes before it starts."""
+    try:
+        async with asyncio.timeout(None if timeout_s is None else
+                                   timeout_s + _DEADLINE_GRACE_S):
+            return await anext(chunks)
+    except TimeoutError:
+        await _close(chunks)
+        raise DeadlineExceeded(timeout_s=timeout_s,
+                               when="before a replica started it") from None
+
+
+@dataclass
+class _Choices:
+    """The last chunk and the text so far of each of a request's choices."""
+
+    n: int
+    last: dict[int, dict[str, Any]] = field(default_factory=dict)
+    text: dict[int, list[str]] = field(default_factory=dict)
+
+    def add(self, chunk: dict[str, Any]) -> int:
+        index = int(chunk.get("index", 0))
+        self.text.setdefault(index, []).append(chunk["text"])
+        self.last[index] = chunk
+        return index
+
+    @property
+    def done(self) -> bool:
+        return (len(self.last) == self.n
+                and all(c["finish_reason"] is not None for c in self.last.values()))
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: the prompt once, every choice's output tokens."""
+        any_ = next(iter(self.last.values()))
+        prompt = int(any_["prompt_tokens"])
+        completion = sum(int(c["completion_tokens"]) for c in self.last.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                # OpenAI's field for prompt tokens served from a prompt cache.
+                "prompt_tokens_details": {"cached_tokens": int(any_.get("cached_tokens", 0))}}
+
+
 @dataclass
 class _Shape:
     """OpenAI's response and chunk bodies for one request."""
@@ -283,6 +390,7 @@ class _Shape:
     model: str
     chat: bool
     request_id: str
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -294,28 +402,34 @@ class _Shape:
 
     async def whole(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
                     timing: _Timing) -> dict[str, Any]:
-        text, last = [first["text"]], first
-        while last["finish_reason"] is None:
-            last = await anext(rest)
-            timing.chunk(last)
-            text.append(last["text"])
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last["finish_reason"],
-                                  "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
+        choices = _Choices(self.n)
+        choices.add(first)
+        while not choices.done:
+            chunk = await anext(rest)
+            timing.chunk(chunk)
+            choices.add(chunk)
+        body = []
+        for index in sorted(choices.last):
+            text = "".join(choices.text[index])
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                      "finish_reason": choices.last[index]["finish_reason"]}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            body.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": _usage(last)}
+        return {**self._head(kind), "choices": body, "usage": choices.usage()}
 
     async def events(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
                      timing: _Timing, *, usage: bool) -> AsyncIterator[str]:
-        chunk, n = first, 0
+        chunk, choices = first, _Choices(self.n)
         try:
             while True:
-                yield _event(self._chunk(chunk, n, usage))
-                n += 1
-                if chunk["finish_reason"] is not None:
+                opening = int(chunk.get("index", 0)) not in choices.last
+                choices.add(chunk)
+                yield _event(self._chunk(chunk, opening, usage))
+                if choices.done:
                     break
                 try:
                     chunk = await anext(rest)
@@ -327,15 +441,15 @@ class _Shape:
             await _close(rest)
         if usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
-            yield _event({**self._head(kind), "choices": [], "usage": _usage(chunk)})
+            yield _event({**self._head(kind), "choices": [], "usage": choices.usage()})
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, chunk: dict[str, Any], n: int, usage: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": chunk["finish_reason"],
-                                  "logprobs": None}
+    def _chunk(self, chunk: dict[str, Any], opening: bool, usage: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": int(chunk.get("index", 0)), "logprobs": None,
+                                  "finish_reason": chunk["finish_reason"]}
         if self.chat:
             delta: dict[str, Any] = {"content": chunk["text"]}
-            if n == 0:
+            if opening:
                 delta["role"] = "assistant"
             choice["delta"] = delta
         else:
@@ -350,14 +464,6 @@ async def _close(chunks: AsyncIterator[Any]) -> None:
     close = getattr(chunks, "aclose", None)
     if close is not None:
         await close()
-
-
-def _usage(chunk: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = int(chunk["prompt_tokens"]), int(chunk["completion_tokens"])
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            # OpenAI's field for prompt tokens served from a prompt cache.
-            "prompt_tokens_details": {"cached_tokens": int(chunk.get("cached_tokens", 0))}}
 
 
 def _event(body: dict[str, Any]) -> str:
