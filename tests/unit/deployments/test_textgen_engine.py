@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_admission import Waiting, plan
+from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need
 from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus, _overlap
 from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode

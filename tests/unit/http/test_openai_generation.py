@@ -14,12 +14,14 @@ import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ember.deployments._textgen_backend import TinyLMBackend
+from ember.deployments._textgen_backend import Backend, TinyLMBackend
 from ember.deployments._textgen_engine import EngineConfig
 from ember.deployments._tinylm import TinyLM, TinyLMConfig
 from ember.deployments.textgen import Generator
 from ember.edge._asgi import install_error_handlers
 from ember.protocols import GenerateRequest, OpenAIGeneration
+
+from slowgen import SlowBackend
 
 MODEL = "tiny"
 
@@ -44,10 +46,14 @@ class EngineGateway:
         return True
 
 
-def build(**limits: Any) -> tuple[FastAPI, EngineGateway]:
+def build(step_s: float = 0, **limits: Any) -> tuple[FastAPI, EngineGateway]:
+    """The routes over an in-process engine; ``step_s`` slows every model step on purpose."""
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(dim=32, n_layers=1, n_heads=2, max_len=256)).eval()
-    gateway = EngineGateway(Generator(TinyLMBackend(model), EngineConfig(**limits)))
+    backend: Backend = TinyLMBackend(model)
+    if step_s:
+        backend = SlowBackend(backend, step_s)
+    gateway = EngineGateway(Generator(backend, EngineConfig(**limits)))
     api = FastAPI()
     install_error_handlers(api, lambda path, reason: None)
     OpenAIGeneration(deployment="TextGen", attr="generate", model=MODEL).install(api, gateway)
@@ -171,3 +177,101 @@ def test_an_unknown_model_is_a_404_in_openai_shape() -> None:
         await gateway.generator.engine.close()
 
     asyncio.run(scenario())
+
+
+def events_of(reply: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line.removeprefix("data: ")) for line in reply.text.split("\n\n")
+            if line.startswith("data: {")]
+
+
+def test_n_choices_come_indexed_with_usage_over_all_of_them() -> None:
+    async def scenario() -> None:
+        api, gateway = build(max_num_seqs=4)
+        oa = client(api)
+        whole = await oa.completions.create(model=MODEL, prompt="Hello", max_tokens=6,
+                                            temperature=0, n=3, extra_body={"ignore_eos": True})
+        assert [c.index for c in whole.choices] == [0, 1, 2]
+        assert len({c.text for c in whole.choices}) == 1  # greedy: n equal choices
+        assert whole.usage is not None
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 18)
+        assert whole.usage.total_tokens == 24
+        stream = await oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
+            seed=4, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        texts: dict[int, str] = {}
+        roles: dict[int, str | None] = {}
+        last = None
+        async for chunk in stream:
+            last = chunk
+            for choice in chunk.choices:
+                roles.setdefault(choice.index, choice.delta.role)
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        assert sorted(texts) == [0, 1] and roles == {0: "assistant", 1: "assistant"}
+        assert last is not None and last.choices == [] and last.usage is not None
+        assert last.usage.completion_tokens == 10
+        await gateway.generator.engine.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("header", "value"), [
+    ("X-Ember-Priority", "11"), ("X-Ember-Priority", "urgent"), ("X-Ember-Priority", "1.5"),
+    ("X-Ember-Timeout-S", "0"), ("X-Ember-Timeout-S", "-1"), ("X-Ember-Timeout-S", "soon"),
+    ("X-Ember-Timeout-S", "inf")])
+def test_a_bad_admission_header_is_a_400_naming_it(header: str, value: str) -> None:
+    async def scenario() -> httpx.Response:
+        api, gateway = build()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t") as http:
+            reply = await http.post("/v1/completions", headers={header: value},
+                                    json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        await gateway.generator.engine.close()
+        return reply
+
+    reply = asyncio.run(scenario())
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == header and header in reply.text
+
+
+def test_max_tokens_defaults_and_its_limit_follow_openai() -> None:
+    async def scenario() -> None:
+        api, gateway = build()
+        oa = client(api)
+        chat = await oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+            extra_body={"ignore_eos": True})
+        assert chat.usage is not None  # no max_tokens: the room left in the 256-token context
+        assert chat.usage.total_tokens == 256 and chat.choices[0].finish_reason == "length"
+        plain = await oa.completions.create(model=MODEL, prompt="hi", temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert plain.usage is not None and plain.usage.completion_tokens == 16
+        with pytest.raises(openai.BadRequestError) as err:
+            await oa.completions.create(model=MODEL, prompt="hi", max_tokens=254)
+        body = err.value.body
+        assert isinstance(body, dict) and body["param"] == "max_tokens"
+        assert "limit of 256 tokens" in body["message"]
+        await gateway.generator.engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_deadline_stops_a_running_request_504_or_an_error_event() -> None:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        api, gateway = build(step_s=0.02)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t", timeout=60) as http:
+            whole = await http.post("/v1/completions", json=body,
+                                    headers={"X-Ember-Timeout-S": "0.3"})
+            streamed = await http.post("/v1/completions", json={**body, "stream": True},
+                                       headers={"X-Ember-Timeout-S": "0.3"})
+        await gateway.generator.engine.close()
+        return whole, streamed
+
+    whole, streamed = asyncio.run(scenario())
+    assert whole.status_code == 504 and "while it ran" in whole.text, whole.text
+    assert streamed.status_code == 200
+    events = events_of(streamed)
+    assert events[0]["choices"][0]["text"] is not None  # tokens came, then the error
+    assert events[-1]["error"]["code"] == 504 and "[DONE]" not in streamed.text
