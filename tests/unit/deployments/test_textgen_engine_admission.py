@@ -30,8 +30,9 @@ def model() -> TinyLM:
     return model
 
 
-def slow_engine(model: TinyLM, **options: object) -> tuple[Engine, SlowBackend]:
-    backend = SlowBackend(TinyLMBackend(model), STEP_S)
+def slow_engine(model: TinyLM, step_s: float = STEP_S,
+                **options: object) -> tuple[Engine, SlowBackend]:
+    backend = SlowBackend(TinyLMBackend(model), step_s)
     backend.eos_token_id = None  # every sequence runs to max_tokens: lengths in steps are known
     return Engine(backend, EngineConfig.model_validate(options)), backend
 
@@ -92,12 +93,12 @@ def test_a_deadline_that_passes_while_waiting_is_a_504_and_nothing_is_computed(
 def test_a_running_request_past_its_deadline_is_stopped_and_its_slot_freed(
         model: TinyLM) -> None:
     async def scenario() -> tuple[list[Chunk], DeadlineExceeded, int]:
-        eng, _ = slow_engine(model, max_num_seqs=1)
+        eng, _ = slow_engine(model, step_s=0.05, max_num_seqs=1)
         got: list[Chunk] = []
-        with pytest.raises(DeadlineExceeded) as err:
-            async for chunk in eng.generate(encode("a"), greedy(100), timeout_s=0.3):
+        with pytest.raises(DeadlineExceeded) as err:  # 120 steps of 50 ms: 6 s if not stopped
+            async for chunk in eng.generate(encode("a"), greedy(120), timeout_s=1.0):
                 got.append(chunk)
-        # Freed within a step, not after the 100 tokens it asked for.
+        # Freed within a step, not after the 120 tokens it asked for.
         while eng.slots_used:
             await asyncio.sleep(STEP_S / 4)
         steps = eng.steps
@@ -108,8 +109,8 @@ def test_a_running_request_past_its_deadline_is_stopped_and_its_slot_freed(
 
     got, err, steps = asyncio.run(scenario())
     assert err.status_code == 504 and "while it ran" in str(err)
-    assert 0 < sum(len(c.token_ids) for c in got) < 100
-    assert steps < 100
+    assert 0 < sum(len(c.token_ids) for c in got) < 120
+    assert steps < 120
 
 
 def test_n_greedy_choices_share_one_prefill_and_are_equal(model: TinyLM) -> None:
