@@ -258,14 +258,15 @@ def test_max_tokens_defaults_and_its_limit_follow_openai() -> None:
 
 def test_a_deadline_stops_a_running_request_504_or_an_error_event() -> None:
     async def scenario() -> tuple[httpx.Response, httpx.Response]:
-        api, gateway = build(step_s=0.02)
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        # 100 steps of 100 ms (10 s) unless stopped; 2 s for the first token, under load too.
+        api, gateway = build(step_s=0.1)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": True}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
                                      base_url="http://t", timeout=60) as http:
             whole = await http.post("/v1/completions", json=body,
-                                    headers={"X-Ember-Timeout-S": "0.3"})
+                                    headers={"X-Ember-Timeout-S": "2"})
             streamed = await http.post("/v1/completions", json={**body, "stream": True},
-                                       headers={"X-Ember-Timeout-S": "0.3"})
+                                       headers={"X-Ember-Timeout-S": "2"})
         await gateway.generator.engine.close()
         return whole, streamed
 
