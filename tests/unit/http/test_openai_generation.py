@@ -276,3 +276,28 @@ def test_a_deadline_stops_a_running_request_504_or_an_error_event() -> None:
     events = events_of(streamed)
     assert events[0]["choices"][0]["text"] is not None  # tokens came, then the error
     assert events[-1]["error"]["code"] == 504 and "[DONE]" not in streamed.text
+
+
+class StuckGateway(EngineGateway):
+    """A replica that never starts the request (a cold start longer than the deadline)."""
+
+    async def stream(self, deployment: str, attr: str, body: Any,
+                     request_id: str) -> AsyncIterator[Any]:
+        await asyncio.sleep(3600)
+        yield {}
+
+
+def test_the_edge_answers_504_when_no_replica_starts_the_request_in_time() -> None:
+    async def scenario() -> httpx.Response:
+        _, gateway = build()
+        api = FastAPI()
+        install_error_handlers(api, lambda path, reason: None)
+        OpenAIGeneration(deployment="TextGen", attr="generate", model=MODEL).install(
+            api, StuckGateway(gateway.generator))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t", timeout=60) as http:
+            return await http.post("/v1/completions", headers={"X-Ember-Timeout-S": "0.5"},
+                                   json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+
+    reply = asyncio.run(scenario())
+    assert reply.status_code == 504 and "before a replica started it" in reply.text
