@@ -265,3 +265,26 @@ def test_prefix_hits_reach_the_openai_usage_and_the_metrics(model_dir: Path) -> 
     metrics = generate_latest(gateway.registry).decode()
     assert f'ember_prefix_cache_hit_tokens_total{{model="m"}} {float(shared)}' in metrics
     assert f'ember_prompt_tokens_total{{model="m"}} {float(len(a) + len(b))}' in metrics
+
+
+def test_n_greedy_choices_forked_from_one_prefill_each_equal_generate(model_dir: Path) -> None:
+    # A running sequence first, so the prompt is placed (and forked) under a column that
+    # another row already uses.
+    backend = _backend(model_dir)
+
+    async def run() -> dict[int, list[int]]:
+        engine = Engine(backend, EngineConfig(max_num_seqs=4))
+        first = engine.generate(backend.encode("a"), SamplingParams(max_tokens=20,
+                                                                    temperature=0))
+        await anext(first)
+        choices: dict[int, list[int]] = {}
+        async for c in engine.generate(backend.encode("hello"),
+                                       SamplingParams(max_tokens=9, temperature=0), n=3):
+            choices.setdefault(c.index, []).extend(c.token_ids)
+        await _drain(first)
+        await engine.close()
+        return choices
+
+    choices = asyncio.run(run())
+    want = _reference(backend, "hello", 9)
+    assert choices == {0: want, 1: want, 2: want}
