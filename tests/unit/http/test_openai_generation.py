@@ -296,8 +296,10 @@ def test_the_edge_answers_504_when_no_replica_starts_the_request_in_time() -> No
             api, StuckGateway(gateway.generator))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
                                      base_url="http://t", timeout=60) as http:
-            return await http.post("/v1/completions", headers={"X-Ember-Timeout-S": "0.5"},
-                                   json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            # Bounded here too: without the edge's own deadline the request would hang.
+            return await asyncio.wait_for(http.post(
+                "/v1/completions", headers={"X-Ember-Timeout-S": "0.5"},
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2}), 30)
 
     reply = asyncio.run(scenario())
     assert reply.status_code == 504 and "before a replica started it" in reply.text
