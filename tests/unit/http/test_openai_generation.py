@@ -19,6 +19,7 @@ from ember.deployments._textgen_engine import EngineConfig
 from ember.deployments._tinylm import TinyLM, TinyLMConfig
 from ember.deployments.textgen import Generator
 from ember.edge._asgi import install_error_handlers
+from ember.edge.protocols.openai_generation import priority_of
 from ember.protocols import GenerateRequest, OpenAIGeneration
 
 from slowgen import SlowBackend
@@ -303,3 +304,20 @@ def test_the_edge_answers_504_when_no_replica_starts_the_request_in_time() -> No
 
     reply = asyncio.run(scenario())
     assert reply.status_code == 504 and "before a replica started it" in reply.text
+
+
+def test_the_priority_header_wins_over_the_body_field_and_the_field_is_checked() -> None:
+    assert priority_of(None, 3) == 3 and priority_of(None, None) is None
+    assert priority_of(" 7 ", -2) == 7 and priority_of("BATCH", 3) == "batch"
+
+    async def scenario() -> httpx.Response:
+        api, gateway = build()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://t") as http:
+            reply = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 11})
+        await gateway.generator.engine.close()
+        return reply
+
+    reply = asyncio.run(scenario())
+    assert reply.status_code == 422 and "priority" in reply.text
