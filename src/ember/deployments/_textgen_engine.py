@@ -37,6 +37,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_grammar import Constraint, constrain, constraint_for
+from ember.deployments._textgen_logprobs import TokenLogprob, logprob_of
 from ember.deployments._textgen_sampling import SamplingParams, StopText, generator_for, sample
 from ember.errors import BadRequest, QueueFull
 
@@ -116,6 +118,8 @@ class Chunk:
     #: The engine's state when the chunk left: for the edge's gauges.
     running: int
     waiting: int
+    #: One entry per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def _ready(queue: asyncio.Queue[Any]) -> list[Any]:
@@ -138,7 +142,8 @@ def _join(chunks: list[Chunk]) -> Chunk:
         return chunks[0]
     last = chunks[-1]
     return dataclasses.replace(last, text="".join(c.text for c in chunks),
-                               token_ids=[t for c in chunks for t in c.token_ids])
+                               token_ids=[t for c in chunks for t in c.token_ids],
+                               logprobs=[e for c in chunks for e in c.logprobs])
 
 
 @dataclass(eq=False)
@@ -157,22 +162,28 @@ class _Seq:
     finish: FinishReason | None = None
     cancelled: bool = False
     done: bool = False  # finished and told; in static mode it may still pad its batch
+    constraint: Constraint | None = None  # the grammar its tokens must follow
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # for the next chunk
 
     @property
     def need(self) -> Need:
         return Need(len(self.prompt), self.params.max_tokens)
 
-    def take(self, token: int, eos: int | None) -> None:
-        """Record this step's token and whether the sequence is finished."""
+    def take(self, token: int, eos: int | None, logits: torch.Tensor | None = None) -> None:
+        """Record this step's token (chosen from ``logits``) and whether the sequence is
+        finished."""
         if self.done:
             return
         self.new.append(token)
         self.tokens.append(token)
+        if logits is not None and self.params.logprobs is not None:
+            self.logprobs.append(logprob_of(logits, token, self.params, self.params.logprobs))
+        complete = self.constraint is not None and self.constraint.advance(token)
         if token == eos and not self.params.ignore_eos:
             self.finish = "stop"
             return
         self.stop_text.add(self.detok.push(token))
-        if self.stop_text.stopped:
+        if self.stop_text.stopped or complete:
             self.finish = "stop"
         elif len(self.tokens) >= self.params.max_tokens:
             self.finish = "length"
@@ -242,7 +253,8 @@ class Engine:
             raise QueueFull(deployment=self.config.name, queued=len(self._waiting),
                             limit=self.config.max_waiting_seqs)
         seq = _Seq(prompt, params, self.backend.detokenizer(), generator_for(params.seed),
-                   stop_text=StopText(params.stop))
+                   stop_text=StopText(params.stop),
+                   constraint=constraint_for(self.backend, params.grammar))
         self._waiting.append(seq)
         self._ensure_loop()
         self._wake.set()
@@ -303,16 +315,18 @@ class Engine:
             old = self._running[:decoding]
             last = [s.tokens[-1] for s in old]
             logits = self.backend.decode(list(range(decoding)), last)
+            logits = constrain(logits, [s.constraint for s in old])
             # One argmax for the whole batch; only sampled rows go one by one.
             greedy = logits.argmax(dim=-1).tolist()
             for i, seq in enumerate(old):
                 sampled = seq.params.temperature > 0
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
-                         else greedy[i], eos)
+                         else greedy[i], eos, logits[i])
         for seq in fresh:
             logits = self.backend.prefill(seq.slot, seq.prompt)
+            logits = constrain(logits.unsqueeze(0), [seq.constraint])[0]
             seq.cached = self.backend.cached_tokens
-            seq.take(sample(logits, seq.params, seq.generator), eos)
+            seq.take(sample(logits, seq.params, seq.generator), eos, logits)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
@@ -336,8 +350,8 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            cached_tokens=seq.cached, running=running, waiting=waiting))
-        seq.new = []
+            cached_tokens=seq.cached, running=running, waiting=waiting, logprobs=seq.logprobs))
+        seq.new, seq.logprobs = [], []
 
     def _release(self, seq: _Seq) -> None:
         """Free ``seq``'s slot; the last running sequence moves into it (slots stay 0..B-1)."""

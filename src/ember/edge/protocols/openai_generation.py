@@ -28,6 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.edge._asgi import error_body, request_id_of
 from ember.edge.protocols import Gateway, Protocol
+from ember.edge.protocols.openai_structured import (
+    LegacyLogprobs,
+    ResponseFormat,
+    chat_logprobs,
+    grammar_of,
+)
 from ember.errors import BadRequest, ConfigError, EmberError, InvalidBody
 
 if TYPE_CHECKING:
@@ -86,6 +92,8 @@ class _Sampling(BaseModel):
     #: vLLM's extension: decode to max_tokens past the end-of-sequence token, as serving
     #: benchmarks do to control output lengths.
     ignore_eos: bool = False
+    #: text, json_object or json_schema (``openai_structured``).
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,6 +103,8 @@ class CompletionRequest(_Sampling):
     """The body of ``POST /v1/completions`` (one prompt per request)."""
 
     prompt: str | list[str] = Field(description="A string, or a list holding one string.")
+    #: The log-probability of each token and of this many alternatives.
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -102,6 +112,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class GenerateRequest(BaseModel):
@@ -117,6 +129,9 @@ class GenerateRequest(BaseModel):
     stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=4)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    #: Report each token's log-probability and this many alternatives (None: none).
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class GenerationMetrics:
@@ -239,11 +254,17 @@ class OpenAIGeneration(Protocol):
                           ) -> GenerateRequest:
         fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
                                   "seed": body.seed, "stop": check_stops(body.stops()),
-                                  "ignore_eos": body.ignore_eos}
+                                  "ignore_eos": body.ignore_eos,
+                                  "response_format": body.response_format}
+        grammar_of(body.response_format)  # a schema that cannot compile: 400 before dispatch
         if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
             fields["messages"] = body.messages
+            fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
             limit = body.max_completion_tokens or body.max_tokens
         else:
+            fields["logprobs"] = body.logprobs
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             if len(prompts) != 1:
                 raise InvalidBody("prompt: one prompt per request", param="prompt")
@@ -284,6 +305,8 @@ class _Shape:
     chat: bool
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    #: The completions API's text offsets run on from chunk to chunk.
+    legacy: LegacyLogprobs = field(default_factory=LegacyLogprobs)
 
     @property
     def id(self) -> str:
@@ -294,13 +317,16 @@ class _Shape:
 
     async def whole(self, first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
                     timing: _Timing) -> dict[str, Any]:
-        text, last = [first["text"]], first
+        text, last, chunks = [first["text"]], first, [first]
         while last["finish_reason"] is None:
             last = await anext(rest)
             timing.chunk(last)
             text.append(last["text"])
+            chunks.append(last)
+        asked = first.get("logprobs") is not None
+        entries = [e for c in chunks for e in c.get("logprobs") or []] if asked else None
         choice: dict[str, Any] = {"index": 0, "finish_reason": last["finish_reason"],
-                                  "logprobs": None}
+                                  "logprobs": self._logprobs(entries)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -332,7 +358,7 @@ class _Shape:
 
     def _chunk(self, chunk: dict[str, Any], n: int, usage: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": chunk["finish_reason"],
-                                  "logprobs": None}
+                                  "logprobs": self._logprobs(chunk.get("logprobs"))}
         if self.chat:
             delta: dict[str, Any] = {"content": chunk["text"]}
             if n == 0:
@@ -343,6 +369,10 @@ class _Shape:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._head(kind), "choices": [choice]}
         return {**body, "usage": None} if usage else body
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """The next tokens' logprobs in this API's shape (None when not asked)."""
+        return chat_logprobs(entries) if self.chat else self.legacy.shape(entries)
 
 
 async def _close(chunks: AsyncIterator[Any]) -> None:
