@@ -69,8 +69,9 @@ class _PerTokenVocabulary:
         self.eos_token_id = tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = list(tokenizer.all_special_ids)
-        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))],
-                                        skip_special_tokens=False)
+        # Ids may have gaps (a vocabulary from 32 up): the vocabulary runs to the largest.
+        size = max(tokenizer.get_vocab().values()) + 1
+        pieces = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
         self.tokens = [str(p).encode("utf-8") for p in pieces]
 
     def __call__(self, text: str | bytes) -> list[int]:
