@@ -29,6 +29,8 @@ from ember.deployments.textgen import load_backend
 from ember.edge.protocols.openai_structured import COMPACT_JSON
 from ember.errors import BadRequest
 
+from support import char_llama
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 20},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -158,31 +160,12 @@ def test_the_byte_tokenizer_is_the_tinylms_vocabulary() -> None:
     assert isinstance(load_backend(), TinyLMBackend)
 
 
-def _char_model(path: Any) -> Any:
-    """A tiny seeded random Llama with a one-token-per-character tokenizer, as a directory."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=512,
-                                      bos_token_id=None, eos_token_id=127)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(
-        path)
-    return path
-
-
 @pytest.mark.slow
 def test_a_transformers_model_follows_a_schema(tmp_path: Any) -> None:
     """A tokenizer llguidance.hf cannot read (a character-level WordLevel one) goes through
     the per-token fallback; the random model's output still validates."""
     hf = pytest.importorskip("ember.deployments._textgen_hf")
-    backend = hf.TransformersBackend.from_directory(_char_model(tmp_path), max_len=512)
+    backend = hf.TransformersBackend.from_directory(char_llama(tmp_path), max_len=512)
     tok = tokenizer_for(backend)
     assert tok.decode_bytes([ord("a"), ord("{")]) == b"a{" and tok.eos_token == 127
     for text, finish, lps in run(backend, [("hello", SamplingParams(

@@ -20,9 +20,9 @@ from test_openai_generation import MODEL, EngineGateway, build, client
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-SCHEMA_FORMAT = {"type": "json_schema",
-                 "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-CHAT = [{"role": "user", "content": "Who are you?"}]
+SCHEMA_FORMAT: Any = {"type": "json_schema",
+                      "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+CHAT: Any = [{"role": "user", "content": "Who are you?"}]
 
 
 def scenario(test: Callable[[openai.AsyncOpenAI, FastAPI, EngineGateway], Awaitable[None]]
@@ -42,13 +42,13 @@ def test_json_schema_output_parses_and_validates_on_both_routes_streamed_or_not(
         for seed in range(3):
             chat = await oa.chat.completions.create(
                 model=MODEL, messages=CHAT, max_tokens=200, seed=seed,
-                response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]
+                response_format=SCHEMA_FORMAT)
             assert chat.choices[0].finish_reason == "stop"
             content = chat.choices[0].message.content or ""
             jsonschema.validate(json.loads(content), PERSON)
             stream = await oa.chat.completions.create(
                 model=MODEL, messages=CHAT, max_tokens=200, seed=seed, stream=True,
-                response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]
+                response_format=SCHEMA_FORMAT)
             assert "".join([c.choices[0].delta.content or "" async for c in stream]) == content
             done = await oa.completions.create(model=MODEL, prompt="x", max_tokens=200,
                                                seed=seed,
@@ -138,7 +138,7 @@ def test_the_replica_refuses_a_bad_grammar_too_before_admission() -> None:
 
 
 def _check_entry(entry: Any, top: int) -> None:
-    assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "backslashreplace") == (
+    assert entry.logprob <= 0 and bytes(entry.bytes or []).decode("utf-8", "backslashreplace") == (
         entry.token)
     assert len(entry.top_logprobs) == top
     assert [t.logprob for t in entry.top_logprobs] == sorted(
@@ -156,7 +156,7 @@ def test_chat_logprobs_have_openais_shape_streamed_or_not() -> None:
         for entry in content:
             _check_entry(entry, 3)
             assert entry.top_logprobs[0].token == entry.token  # greedy: the best one
-        joined = b"".join(bytes(e.bytes) for e in content)
+        joined = b"".join(bytes(e.bytes or []) for e in content)
         assert joined.decode("utf-8", "replace") == choice.message.content
         stream = await oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10,
                                                   temperature=0, logprobs=True,
