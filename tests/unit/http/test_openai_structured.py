@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 from fastapi import FastAPI
-
 from test_openai_generation import MODEL, EngineGateway, build, client
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
