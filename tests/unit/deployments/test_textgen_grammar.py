@@ -195,3 +195,16 @@ def test_a_byte_level_bpe_tokenizer_goes_through_llguidance_hf() -> None:
     assert tok.decode_bytes(ids) == b"hello world"
     c = Constraint(tok, grammar({"type": "boolean"}))
     assert c.matcher.consume_tokens(fast("true")["input_ids"]) and c.matcher.is_stopped()
+
+
+def test_a_complete_grammar_finishes_the_sequence_without_an_eos() -> None:
+    """A model without an EOS token (or one told to ignore it) still stops at the end of
+    its grammar, not at max_tokens."""
+    backend = load_backend()
+    backend.eos_token_id = None
+    boolean = grammar({"type": "boolean"})
+    results = run(backend, [("x", SamplingParams(max_tokens=50, temperature=0, grammar=boolean)),
+                            ("y", SamplingParams(max_tokens=50, temperature=1.0, seed=1,
+                                                 ignore_eos=True, grammar=boolean))])
+    for text, finish, _ in results:
+        assert finish == "stop" and text in ("true", "false"), (text, finish)
