@@ -14,7 +14,13 @@ computed, as a padded batch is. ``max_num_seqs=1`` is one request at a time.
 
 Admission is decided before any work: a request that can never fit is a ``BadRequest``
 (400) naming the field, one that arrives while ``max_waiting_seqs`` wait is ``QueueFull``
-(503 with Retry-After).
+(503 with Retry-After), and so is a grammar that does not compile (naming
+``response_format``).
+
+A sequence with a grammar (``SamplingParams.grammar``) carries its own constraint
+(``_textgen_grammar``): its row of the step's logits is masked before the token is chosen,
+and the chosen token advances it. With ``SamplingParams.logprobs`` each token's log-probability
+under the distribution it was drawn from rides on its chunk (``_textgen_logprobs``).
 
 Example:
     >>> engine = Engine(backend, EngineConfig(max_num_seqs=8))  # doctest: +SKIP
@@ -219,7 +225,8 @@ class Engine:
         """Stream one sequence's chunks; closing the iterator cancels the sequence.
 
         Raises:
-            BadRequest: the prompt plus ``max_tokens`` can never fit.
+            BadRequest: the prompt plus ``max_tokens`` can never fit, or the grammar does
+                not compile for this model's tokenizer.
             QueueFull: ``max_waiting_seqs`` requests already wait.
         """
         seq = self._submit(prompt, params)
