@@ -30,14 +30,32 @@ SCHEMA_FORMAT: Any = {"type": "json_schema",
 CHAT: Any = [{"role": "user", "content": "Describe a person."}]
 
 
+def _person(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_transformers_model_gives_schema_valid_json(serve_app: ServeApp) -> None:
+    """First in the module: both apps serve the same OpenAI routes on the session's port,
+    so this one is served and deleted before the module's byte-model app is served."""
+    char_llama(structured.MODEL_DIR)  # built here once, read by the replica
+    with serve_app(structured.app, ready_timeout_s=240) as base:
+        hf = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+        for seed in range(2):
+            chat = hf.chat.completions.create(
+                model=structured.MODEL_NAME, messages=CHAT, max_tokens=400, seed=seed,
+                response_format=SCHEMA_FORMAT, logprobs=True)
+            content = chat.choices[0].message.content or ""
+            assert chat.choices[0].finish_reason == "stop", content
+            _person(content)
+            assert chat.choices[0].logprobs is not None
+            tokens = [e.token for e in chat.choices[0].logprobs.content or []]
+            assert "".join(tokens).startswith(content)  # one character per token
+
+
 @pytest.fixture(scope="module")
 def client(serve_app: ServeApp) -> Iterator[openai.OpenAI]:
     with serve_app(textgen.app, ready_timeout_s=120) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
-
-
-def _person(text: str) -> None:
-    jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_json_schema_output_parses_and_validates_on_both_routes(client: openai.OpenAI) -> None:
@@ -116,19 +134,3 @@ def test_completions_logprobs_have_the_legacy_shape_streamed_or_not(
         stream=True) if c.choices]
     assert [t for p in parts if p for t in p.tokens or []] == lp.tokens
     assert [o for p in parts if p for o in p.text_offset or []] == lp.text_offset
-
-
-def test_a_transformers_model_gives_schema_valid_json(serve_app: ServeApp) -> None:
-    char_llama(structured.MODEL_DIR)  # built here once, read by the replica
-    with serve_app(structured.app, ready_timeout_s=240) as base:
-        hf = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
-        for seed in range(2):
-            chat = hf.chat.completions.create(
-                model=structured.MODEL_NAME, messages=CHAT, max_tokens=400, seed=seed,
-                response_format=SCHEMA_FORMAT, logprobs=True)
-            content = chat.choices[0].message.content or ""
-            assert chat.choices[0].finish_reason == "stop", content
-            _person(content)
-            assert chat.choices[0].logprobs is not None
-            tokens = [e.token for e in chat.choices[0].logprobs.content or []]
-            assert "".join(tokens).startswith(content)  # one character per token
