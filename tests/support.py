@@ -119,3 +119,27 @@ def bench_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def char_llama(path: Path) -> Path:
+    """A tiny seeded random Llama with a one-token-per-character tokenizer (ids 32-126, EOS
+    127), saved once as a model directory at ``path``; transformers is imported only here."""
+    if (path / "config.json").is_file():
+        return path
+    import tokenizers
+    import torch
+    import transformers
+
+    vocab = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=512,
+                                      bos_token_id=None, eos_token_id=127)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    return path

@@ -18,7 +18,13 @@ Admission is decided before any work: a request that can never fit is a ``BadReq
 deadlines) is ``_textgen_admission.plan``; a request past its deadline is answered with
 ``DeadlineExceeded`` (504), before its prefill if it still waits, or stopped with its slot
 freed if it runs. A request for ``n`` choices is prefilled once; the other choices copy the
-prompt's cache into their own slots (``Backend.fork``) and sample on their own.
+prompt's cache into their own slots (``Backend.fork``) and sample on their own. A grammar
+that does not compile is a ``BadRequest`` too (naming ``response_format``).
+
+A sequence with a grammar (``SamplingParams.grammar``) carries its own constraint
+(``_textgen_grammar``): its row of the step's logits is masked before the token is chosen,
+and the chosen token advances it. With ``SamplingParams.logprobs`` each token's log-probability
+under the distribution it was drawn from rides on its chunk (``_textgen_logprobs``).
 
 Example:
     >>> engine = Engine(backend, EngineConfig(max_num_seqs=8))  # doctest: +SKIP
@@ -41,6 +47,8 @@ import torch
 
 from ember.deployments._textgen_admission import EngineConfig, Need, Waiting, plan
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_grammar import Constraint, constrain, constraint_for
+from ember.deployments._textgen_logprobs import TokenLogprob, logprob_of
 from ember.deployments._textgen_sampling import SamplingParams, StopText, generator_for, sample
 from ember.errors import BadRequest, DeadlineExceeded, QueueFull
 
@@ -65,6 +73,8 @@ class Chunk:
     waiting: int
     #: Which of the request's ``n`` choices this chunk belongs to.
     index: int = 0
+    #: One entry per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def _ready(queue: asyncio.Queue[Any]) -> list[Any]:
@@ -94,7 +104,8 @@ def _merge(chunks: list[Chunk]) -> Chunk:
         return chunks[0]
     last = chunks[-1]
     return dataclasses.replace(last, text="".join(c.text for c in chunks),
-                               token_ids=[t for c in chunks for t in c.token_ids])
+                               token_ids=[t for c in chunks for t in c.token_ids],
+                               logprobs=[e for c in chunks for e in c.logprobs])
 
 
 @dataclass(eq=False)
@@ -119,6 +130,8 @@ class _Seq:
     blocked_since: float | None = None
     #: The request's other choices: they wait with it and copy its prompt's cache.
     forks: list[_Seq] = field(default_factory=list)
+    constraint: Constraint | None = None  # the grammar its tokens must follow
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # for the next chunk
 
     @property
     def need(self) -> Need:
@@ -138,17 +151,21 @@ class _Seq:
                 f"while it ran, after {len(self.tokens)} tokens; it was stopped")
         return DeadlineExceeded(timeout_s=self.timeout_s, when=when)
 
-    def take(self, token: int, eos: int | None) -> None:
-        """Record this step's token and whether the sequence is finished."""
+    def take(self, token: int, eos: int | None, logits: torch.Tensor | None = None) -> None:
+        """Record this step's token (chosen from ``logits``) and whether the sequence is
+        finished."""
         if self.done:
             return
         self.new.append(token)
         self.tokens.append(token)
+        if logits is not None and self.params.logprobs is not None:
+            self.logprobs.append(logprob_of(logits, token, self.params, self.params.logprobs))
+        complete = self.constraint is not None and self.constraint.advance(token)
         if token == eos and not self.params.ignore_eos:
             self.finish = "stop"
             return
         self.stop_text.add(self.detok.push(token))
-        if self.stop_text.stopped:
+        if self.stop_text.stopped or complete:
             self.finish = "stop"
         elif len(self.tokens) >= self.params.max_tokens:
             self.finish = "length"
@@ -191,7 +208,8 @@ class Engine:
             timeout_s: the request's deadline, counted from now.
 
         Raises:
-            BadRequest: the prompt plus ``max_tokens`` (times ``n``) can never fit.
+            BadRequest: the prompt plus ``max_tokens`` (times ``n``) can never fit, or the
+                grammar does not compile for this model's tokenizer.
             QueueFull: ``max_waiting_seqs`` requests already wait.
             DeadlineExceeded: ``timeout_s`` passed, waiting or running.
         """
@@ -248,11 +266,14 @@ class Engine:
         if len(self._waiting) >= self.config.max_waiting_seqs + free:
             raise QueueFull(deployment=self.config.name, queued=len(self._waiting),
                             limit=self.config.max_waiting_seqs)
-        # Seeded choices differ from each other, each still reproducible.
+        # Seeded choices differ from each other, each still reproducible; each choice follows
+        # the grammar with a constraint of its own.
         group = [_Seq(prompt, params, self.backend.detokenizer(),
                       generator_for(None if params.seed is None else params.seed + i),
                       stop_text=StopText(params.stop), index=i, priority=priority,
-                      timeout_s=timeout_s) for i in range(n)]
+                      timeout_s=timeout_s,
+                      constraint=constraint_for(self.backend, params.grammar))
+                 for i in range(n)]
         for fork in group[1:]:
             fork.queue, fork.arrived = group[0].queue, group[0].arrived
         group[0].forks = group[1:]
@@ -330,23 +351,25 @@ class Engine:
             old = self._running[:decoding]
             last = [s.tokens[-1] for s in old]
             logits = self.backend.decode(list(range(decoding)), last)
+            logits = constrain(logits, [s.constraint for s in old])
             # One argmax for the whole batch; only sampled rows go one by one.
             greedy = logits.argmax(dim=-1).tolist()
             for i, seq in enumerate(old):
                 sampled = seq.params.temperature > 0
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
-                         else greedy[i], eos)
+                         else greedy[i], eos, logits[i])
         for seq in fresh:
             self._started(seq, self.backend.prefill(seq.slot, seq.prompt), eos)
 
     def _started(self, seq: _Seq, logits: torch.Tensor, eos: int | None) -> None:
         """A prefilled prompt's first token; its other choices copy its cache, then sample."""
         seq.cached = self.backend.cached_tokens
-        seq.take(sample(logits, seq.params, seq.generator), eos)
-        for fork in seq.forks:
-            self.backend.fork(seq.slot, fork.slot)
-            fork.cached = seq.cached
-            fork.take(sample(logits, fork.params, fork.generator), eos)
+        for choice in (seq, *seq.forks):
+            if choice is not seq:
+                self.backend.fork(seq.slot, choice.slot)
+                choice.cached = seq.cached
+            masked = constrain(logits.unsqueeze(0), [choice.constraint])[0]
+            choice.take(sample(masked, choice.params, choice.generator), eos, masked)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
@@ -370,8 +393,9 @@ class Engine:
         seq.queue.put_nowait(Chunk(
             text=seq.stop_text.release(final=final), token_ids=seq.new, finish_reason=seq.finish,
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens),
-            cached_tokens=seq.cached, running=running, waiting=waiting, index=seq.index))
-        seq.new = []
+            cached_tokens=seq.cached, running=running, waiting=waiting, index=seq.index,
+            logprobs=seq.logprobs))
+        seq.new, seq.logprobs = [], []
 
     def _release(self, seq: _Seq) -> None:
         """Free ``seq``'s slot; the last running sequence moves into it (slots stay 0..B-1)."""

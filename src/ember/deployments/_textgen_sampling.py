@@ -24,6 +24,10 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     #: Decode to ``max_tokens`` past the end-of-sequence token (vLLM's ``ignore_eos``).
     ignore_eos: bool = False
+    #: Report each token's log-probability and this many alternatives (None: none).
+    logprobs: int | None = Field(None, ge=0, le=20)
+    #: An llguidance grammar every output must match (``_textgen_grammar``); None: free text.
+    grammar: str | None = None
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,
@@ -36,10 +40,14 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     """
     if params.temperature == 0:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities [V] a token is drawn from at ``temperature > 0``: the softmax at
+    that temperature, cut to the nucleus when ``top_p < 1``."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        probs = _nucleus(probs, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return _nucleus(probs, params.top_p) if params.top_p < 1.0 else probs
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -30,8 +30,11 @@ from ember import loaders, settings
 from ember.deployments._textgen_admission import BATCH
 from ember.deployments._textgen_backend import Backend, TinyLMBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
+from ember.deployments._textgen_grammar import token_bytes, tokenizer_for
+from ember.deployments._textgen_logprobs import describe
 from ember.deployments._textgen_sampling import SamplingParams
 from ember.deployments._tinylm import TinyLMConfig, build
+from ember.edge.protocols.openai_structured import grammar_of
 from ember.errors import InvalidBody
 from ember.protocols import GenerateRequest, OpenAIGeneration
 
@@ -106,21 +109,29 @@ class Generator:
         limit = body.max_tokens or max(1, self.engine.room(len(prompt), body.n))
         params = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(body.stop),
-                                ignore_eos=body.ignore_eos)
+                                ignore_eos=body.ignore_eos, logprobs=body.logprobs,
+                                grammar=grammar_of(body.response_format))
         priority = BATCH if body.priority == "batch" else body.priority
         async for chunk in self.engine.generate(prompt, params, n=body.n, priority=priority,
                                                 timeout_s=body.timeout_s):
-            yield {"text": chunk.text, "tokens": len(chunk.token_ids),
+            out = {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                    "completion_tokens": chunk.completion_tokens,
                    "cached_tokens": chunk.cached_tokens, "running": chunk.running,
                    "waiting": chunk.waiting, "index": chunk.index}
+            if body.logprobs is not None:
+                out["logprobs"] = describe(chunk.logprobs, self._token_bytes)
+            yield out
+
+    def _token_bytes(self, token: int) -> bytes:
+        return token_bytes(tokenizer_for(self.backend), token)
 
     def warmup(self) -> None:
         """One prefill and one decode step, so the first request does not pay for them."""
         self.backend.prefill(0, self.backend.encode("warm up"))
         self.backend.decode([0], [32])
         self.backend.free(0)
+        tokenizer_for(self.backend)  # built now, not on the first structured request
 
 
 #: Engine limits of one replica: 16 sequences in the batch, 64 waiting, then 503.

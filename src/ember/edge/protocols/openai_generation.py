@@ -33,6 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ember.edge._asgi import error_body, request_id_of
 from ember.edge.protocols import Gateway, Protocol
+from ember.edge.protocols.openai_structured import (
+    LegacyLogprobs,
+    ResponseFormat,
+    chat_logprobs,
+    grammar_of,
+)
 from ember.errors import BadRequest, ConfigError, DeadlineExceeded, EmberError, InvalidBody
 
 if TYPE_CHECKING:
@@ -132,6 +138,8 @@ class _Sampling(BaseModel):
     #: vLLM's extension: decode to max_tokens past the end-of-sequence token, as serving
     #: benchmarks do to control output lengths.
     ignore_eos: bool = False
+    #: text, json_object or json_schema (``openai_structured``).
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -141,6 +149,8 @@ class CompletionRequest(_Sampling):
     """The body of ``POST /v1/completions`` (one prompt per request)."""
 
     prompt: str | list[str] = Field(description="A string, or a list holding one string.")
+    #: The log-probability of each token and of this many alternatives.
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,6 +158,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class GenerateRequest(BaseModel):
@@ -168,6 +180,9 @@ class GenerateRequest(BaseModel):
     priority: Priority = 0
     #: Seconds from when the replica receives the request: past them, 504.
     timeout_s: float | None = Field(None, gt=0)
+    response_format: ResponseFormat | None = None
+    #: Report each token's log-probability and this many alternatives (None: none).
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class GenerationMetrics:
@@ -297,15 +312,21 @@ class OpenAIGeneration(Protocol):
         fields: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p,
                                   "seed": body.seed, "stop": check_stops(body.stops()),
                                   "ignore_eos": body.ignore_eos, "n": body.n,
-                                  "timeout_s": timeout_of(request.headers.get(TIMEOUT_HEADER))}
+                                  "timeout_s": timeout_of(request.headers.get(TIMEOUT_HEADER)),
+                                  "response_format": body.response_format}
+        grammar_of(body.response_format)  # a schema that cannot compile: 400 before dispatch
         priority = priority_of(request.headers.get(PRIORITY_HEADER), body.priority)
         if priority is not None:
             fields["priority"] = priority
         if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
             # Omitted, chat gets the room the prompt leaves in the context, as OpenAI's does.
             fields["messages"] = body.messages
+            fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
             limit = body.max_completion_tokens or body.max_tokens
         else:
+            fields["logprobs"] = body.logprobs
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             if len(prompts) != 1:
                 raise InvalidBody("prompt: one prompt per request", param="prompt")
@@ -360,10 +381,13 @@ class _Choices:
     n: int
     last: dict[int, dict[str, Any]] = field(default_factory=dict)
     text: dict[int, list[str]] = field(default_factory=dict)
+    #: Each choice's token logprob entries so far (when the request asked for them).
+    entries: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     def add(self, chunk: dict[str, Any]) -> int:
         index = int(chunk.get("index", 0))
         self.text.setdefault(index, []).append(chunk["text"])
+        self.entries.setdefault(index, []).extend(chunk.get("logprobs") or [])
         self.last[index] = chunk
         return index
 
@@ -392,6 +416,8 @@ class _Shape:
     request_id: str
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    #: The completions API's text offsets run on from chunk to chunk, per choice.
+    legacy: dict[int, LegacyLogprobs] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -408,10 +434,13 @@ class _Shape:
             chunk = await anext(rest)
             timing.chunk(chunk)
             choices.add(chunk)
+        asked = first.get("logprobs") is not None
         body = []
         for index in sorted(choices.last):
             text = "".join(choices.text[index])
-            choice: dict[str, Any] = {"index": index, "logprobs": None,
+            entries = choices.entries[index] if asked else None
+            choice: dict[str, Any] = {"index": index,
+                                      "logprobs": self._logprobs(entries, index),
                                       "finish_reason": choices.last[index]["finish_reason"]}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -445,7 +474,9 @@ class _Shape:
         yield "data: [DONE]\n\n"
 
     def _chunk(self, chunk: dict[str, Any], opening: bool, usage: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": int(chunk.get("index", 0)), "logprobs": None,
+        index = int(chunk.get("index", 0))
+        choice: dict[str, Any] = {"index": index,
+                                  "logprobs": self._logprobs(chunk.get("logprobs"), index),
                                   "finish_reason": chunk["finish_reason"]}
         if self.chat:
             delta: dict[str, Any] = {"content": chunk["text"]}
@@ -457,6 +488,13 @@ class _Shape:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._head(kind), "choices": [choice]}
         return {**body, "usage": None} if usage else body
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None,
+                  index: int) -> dict[str, Any] | None:
+        """The next tokens' logprobs in this API's shape (None when not asked)."""
+        if self.chat:
+            return chat_logprobs(entries)
+        return self.legacy.setdefault(index, LegacyLogprobs()).shape(entries)
 
 
 async def _close(chunks: AsyncIterator[Any]) -> None:
