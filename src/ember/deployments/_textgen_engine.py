@@ -309,10 +309,11 @@ class Engine:
                 sampled = seq.params.temperature > 0
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos)
-        for seq in fresh:
-            logits = self.backend.prefill(seq.slot, seq.prompt)
-            seq.cached = self.backend.cached_tokens
-            seq.take(sample(logits, seq.params, seq.generator), eos)
+        if fresh:  # every prompt admitted at this step in as few forwards as the backend can
+            done = self.backend.prefill_many([s.slot for s in fresh], [s.prompt for s in fresh])
+            for seq, (logits, cached) in zip(fresh, done, strict=True):
+                seq.cached = cached
+                seq.take(sample(logits, seq.params, seq.generator), eos)
 
     def _deliver(self) -> None:
         finished = [s for s in self._running if s.finish is not None and not s.done]
