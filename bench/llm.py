@@ -17,12 +17,15 @@ Measured, on one torch thread (as a ``num_cpus=1`` replica), the same seeded req
 * ``prefix``: time to first token of a prompt after a new 1,000-token prefix (a miss: the
   whole prompt is computed), then of another prompt after the same prefix (a hit: its 62
   cached blocks are not computed again); one pair per round, a fresh prefix each.
+* ``http``: the same requests through ``ember run``'s ``/v1/completions`` against the same
+  engine in this process (``bench/_llm_http.py``): tokens/s at c=16 and the TTFT HTTP adds at
+  c=1.
 
 Continuous c=16 and static c=16 alternate for ``--rounds`` rounds; the median round of each
 is reported with every round kept. Output tokens/s is tokens asked for over wall time.
 
 Usage:
-    .venv/bin/python bench/llm.py [--short] [--rounds 3] [--requests 32]
+    .venv/bin/python bench/llm.py [--short] [--rounds 3] [--requests 32] [--only http,c16]
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _llm_http
 import torch
 
 MODEL_DIR = Path.home() / ".cache" / "ember-bench" / "llama-140m"
 PROMPT_LENGTHS = (8, 16, 32, 64)
 OUTPUT_LENGTHS = (8, 16, 32, 64)
+SECTIONS = ("prefix", "c16", "sweep", "http")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:()[]{}0123456789"
 
 
@@ -161,6 +166,8 @@ async def prefix_ttft(backend: Any, rounds: int, prefix_tokens: int,
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rounds:  # the section was not run (--only) or failed
+        return {}
     ordered = sorted(rounds, key=lambda r: r["tokens_per_s"])
     spread = [r["tokens_per_s"] for r in rounds]
     return {**ordered[len(ordered) // 2], "rounds": rounds,
@@ -178,6 +185,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, help="requests per c=16 run (32; short 16)")
     parser.add_argument("--rounds", type=int, help="rounds of continuous/static (3; short 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     args = h.pick(parser.parse_args(), requests=(32, 16), rounds=(3, 1))
     torch.set_num_threads(1)
     errors: list[str] = []
@@ -187,11 +196,13 @@ def main() -> int:
     work = workload(args.requests, args.seed)
     rounds: dict[str, list[dict[str, Any]]] = {"continuous": [], "static": []}
     sweep: dict[str, Any] = {}
-    with h.deadline_run(args.deadline_s, errors):
+    only = set(args.only.split(","))
+    with h.deadline_run(args.deadline_s, errors) as deadline:
         def prefix() -> None:
             out["prefix"] = asyncio.run(prefix_ttft(backend, args.rounds, 1000, args.seed))
-        h.section("prefix", errors, prefix)
-        for i in range(args.rounds):
+        if "prefix" in only:
+            h.section("prefix", errors, prefix)
+        for i in range(args.rounds if "c16" in only else 0):
             def pair() -> None:
                 rounds["continuous"].append(asyncio.run(continuous(backend, work, 16)))
                 rounds["static"].append(static(backend, work, 16))
@@ -199,7 +210,7 @@ def main() -> int:
                       f"{rounds['continuous'][-1]['tokens_per_s']:.1f} tokens/s, static "
                       f"{rounds['static'][-1]['tokens_per_s']:.1f}", flush=True)
             h.section(f"c16 round {i}", errors, pair)
-        for c in (1, 8, 32):
+        for c in (1, 8, 32) if "sweep" in only else ():
             def one(c: int = c) -> None:
                 n = max(4, min(len(work), 2 * c))
                 sweep[f"c{c}"] = asyncio.run(continuous(backend, work[:n], c))
@@ -210,16 +221,22 @@ def main() -> int:
         def alone() -> None:
             sweep["one_at_a_time"] = static(backend, work[:4], 1)
             print(f"one at a time: {sweep['one_at_a_time']['tokens_per_s']:.1f} tokens/s")
-        h.section("one at a time", errors, alone)
+        if "sweep" in only:
+            h.section("one at a time", errors, alone)
+
+        def http() -> None:
+            out["http"] = _llm_http.measure(MODEL_DIR, work, args.rounds, deadline, errors)
+        if "http" in only:
+            h.section("http", errors, http)
     cont, stat = median_round(rounds["continuous"]), median_round(rounds["static"])
     out["c16"] = {"continuous_tps": cont.get("tokens_per_s"),
                   "static_tps": stat.get("tokens_per_s"),
                   "ratio": ratio_spread(rounds["continuous"], rounds["static"]),
                   "continuous": cont, "static": stat}
     out["sweep"] = sweep
-    # Not measured yet: structured output does not exist, and the HTTP comparison on this
-    # model is not written (bench/textgen_http.py measures the path with the byte model).
-    out["structured_ratio"], out["http"] = None, None
+    # Not measured yet: structured output does not exist.
+    out["structured_ratio"] = None
+    out.setdefault("http", None)
     one = sweep.get("one_at_a_time", {}).get("tokens_per_s")
     out["ratios"] = {
         "c16_continuous_over_static": out["c16"]["ratio"]["median"],
