@@ -124,18 +124,21 @@ def measure(model_dir: Path, work: Work, rounds: int, deadline: h.Deadline,
     from ember.deployments.textgen import ENGINE, Generator, load_backend
 
     torch.set_num_threads(1)
-    generator = Generator(load_backend(str(model_dir)), ENGINE)
-    generator.warmup()
+    backend = load_backend(str(model_dir))
+    Generator(backend, ENGINE).warmup()
     side: dict[str, dict[str, list[dict[str, Any]]]] = {
         k: {"c16": [], "c1": []} for k in ("http", "inprocess")}
     server, url = start_server(model_dir, deadline)
     try:
         async def run(kind: str) -> None:
+            # A fresh engine each round: its schedule belongs to this round's event loop.
+            generator = Generator(backend, ENGINE)
             async with httpx.AsyncClient(timeout=600) as client:
                 stream = (http_stream(client, url, model_dir.name) if kind == "http"
                           else engine_stream(generator))
                 side[kind]["c16"].append(await closed_loop(stream, work, 16))
                 side[kind]["c1"].append(await closed_loop(stream, work[:8], 1))
+            await generator.engine.close()
 
         # The first request builds the replica (a cold start): not part of any figure.
         asyncio.run(closed_loop_once(url, model_dir.name))
