@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import _harness as h
-
 from ember.edge.protocols.openai_structured import ResponseFormat, grammar_of
 
 SCHEMA: dict[str, Any] = {
@@ -85,17 +83,3 @@ def measure(backend: Any, work: list[tuple[str, int]], rounds: int, run: Run,
             "concurrency": concurrency, "cap_tokens": cap_tokens, "schema": SCHEMA,
             "runs": runs}
 
-
-def run_alone(backend: Any, work: list[tuple[str, int]], args: Any, run: Run,
-              base: dict[str, Any]) -> int:
-    """``llm.py --only structured``: this measurement alone, in its own results file."""
-    errors: list[str] = []
-    out: dict[str, Any] = {}
-    with h.deadline_run(args.deadline_s, errors):
-        h.section("structured", errors,
-                  lambda: out.update(measure(backend, work, max(args.rounds, 2), run)))
-    print({"structured_ratio": out.get("structured_ratio"),
-           "cpu_ratio": out.get("cpu_ratio", {}).get("median")}, flush=True)
-    h.write_results("llm_structured", {"complete": not errors, "errors": errors, **base,
-                                       **out}, short=args.short)
-    return 0 if not errors else 1

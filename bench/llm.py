@@ -17,6 +17,9 @@ Measured, on one torch thread (as a ``num_cpus=1`` replica), the same seeded req
 * ``prefix``: time to first token of a prompt after a new 1,000-token prefix (a miss: the
   whole prompt is computed), then of another prompt after the same prefix (a hit: its 62
   cached blocks are not computed again); one pair per round, a fresh prefix each.
+* ``http``: the same requests through ``ember run``'s ``/v1/completions`` against the same
+  engine in this process (``bench/_llm_http.py``): tokens/s at c=16 and the TTFT HTTP adds at
+  c=1.
 
 Continuous c=16 and static c=16 alternate for ``--rounds`` rounds; the median round of each
 is reported with every round kept. Output tokens/s is tokens asked for over wall time.
@@ -24,12 +27,14 @@ is reported with every round kept. Output tokens/s is tokens asked for over wall
 * ``structured``: c=16 tokens/s with a JSON schema over without (``_llm_structured.py``).
 
 Usage:
-    .venv/bin/python bench/llm.py [--short] [--rounds 3] [--requests 32] [--only structured]
+    .venv/bin/python bench/llm.py [--short] [--rounds 3] [--requests 32]
+        [--only prefix,c16,sweep,structured,http]
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -38,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _llm_http
 import _llm_structured
 import torch
 
 MODEL_DIR = Path.home() / ".cache" / "ember-bench" / "llama-140m"
 PROMPT_LENGTHS = (8, 16, 32, 64)
 OUTPUT_LENGTHS = (8, 16, 32, 64)
+SECTIONS = ("prefix", "c16", "sweep", "structured", "http")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:()[]{}0123456789"
 
 
@@ -164,6 +171,8 @@ async def prefix_ttft(backend: Any, rounds: int, prefix_tokens: int,
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rounds:  # the section was not run (--only) or failed
+        return {}
     ordered = sorted(rounds, key=lambda r: r["tokens_per_s"])
     spread = [r["tokens_per_s"] for r in rounds]
     return {**ordered[len(ordered) // 2], "rounds": rounds,
@@ -176,12 +185,47 @@ def ratio_spread(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> dict[s
     return {"median": statistics.median(ratios) if ratios else None, "rounds": ratios}
 
 
+def kept_sections(out: dict[str, Any], only: set[str], short: bool) -> dict[str, Any]:
+    """``out`` with the sections this run skipped (``--only``) taken from the results file.
+
+    Each section compares Ember with its peer inside its own run; ``sections_run_at`` says
+    when each was measured, so a file whose sections come from different runs says so.
+    """
+    path = h.RESULTS_DIR / f"llm{'.short' if short else ''}.json"
+    old = json.loads(path.read_text()) if path.exists() and only != set(SECTIONS) else {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    run_at = dict(old.get("sections_run_at", {}))
+    for name in SECTIONS:
+        if name in only:
+            run_at[name] = now
+        elif name in old:
+            out[name] = old[name]
+    return {**out, "sections_run_at": run_at}
+
+
+def ratios_of(out: dict[str, Any]) -> dict[str, Any]:
+    sweep = out.get("sweep") or {}
+    one = sweep.get("one_at_a_time", {}).get("tokens_per_s")
+    return {
+        "c16_continuous_over_static": out["c16"]["ratio"]["median"],
+        "prefix_hit_over_miss_ttft": (out.get("prefix") or {}).get("hit_over_miss", {}).get(
+            "median"),
+        "c16_continuous_over_one_at_a_time": h.ratio(out["c16"]["continuous_tps"], one),
+        **{f"{k}_over_one_at_a_time": h.ratio(v["tokens_per_s"], one)
+           for k, v in sweep.items() if k.startswith("c")},
+        "structured_ratio": out.get("structured_ratio"),
+        "http_over_inprocess_tps": ((out.get("http") or {}).get("http_over_inprocess_tps")
+                                    or {}).get("median"),
+    }
+
+
 def main() -> int:
     parser = h.parser(__doc__, deadline_s=1500)
     parser.add_argument("--requests", type=int, help="requests per c=16 run (32; short 16)")
     parser.add_argument("--rounds", type=int, help="rounds of continuous/static (3; short 1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["structured"], help="run this part alone")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     args = h.pick(parser.parse_args(), requests=(32, 16), rounds=(3, 1))
     torch.set_num_threads(1)
     errors: list[str] = []
@@ -189,17 +233,15 @@ def main() -> int:
     backend = load()
     out["model_params"] = sum(p.numel() for p in backend.model.parameters())
     work = workload(args.requests, args.seed)
-    if args.only == "structured":
-        return _llm_structured.run_alone(backend, work, args, continuous, {
-            "model_params": out["model_params"], "config": {"requests": args.requests,
-                                                            "seed": args.seed}})
     rounds: dict[str, list[dict[str, Any]]] = {"continuous": [], "static": []}
     sweep: dict[str, Any] = {}
-    with h.deadline_run(args.deadline_s, errors):
+    only = set(args.only.split(","))
+    with h.deadline_run(args.deadline_s, errors) as deadline:
         def prefix() -> None:
             out["prefix"] = asyncio.run(prefix_ttft(backend, args.rounds, 1000, args.seed))
-        h.section("prefix", errors, prefix)
-        for i in range(args.rounds):
+        if "prefix" in only:
+            h.section("prefix", errors, prefix)
+        for i in range(args.rounds if "c16" in only else 0):
             def pair() -> None:
                 rounds["continuous"].append(asyncio.run(continuous(backend, work, 16)))
                 rounds["static"].append(static(backend, work, 16))
@@ -207,39 +249,37 @@ def main() -> int:
                       f"{rounds['continuous'][-1]['tokens_per_s']:.1f} tokens/s, static "
                       f"{rounds['static'][-1]['tokens_per_s']:.1f}", flush=True)
             h.section(f"c16 round {i}", errors, pair)
-        for c in (1, 8, 32):
+        for c in (1, 8, 32) if "sweep" in only else ():
             def one(c: int = c) -> None:
                 n = max(4, min(len(work), 2 * c))
                 sweep[f"c{c}"] = asyncio.run(continuous(backend, work[:n], c))
                 print(f"continuous c={c}: {sweep[f'c{c}']['tokens_per_s']:.1f} tokens/s",
                       flush=True)
             h.section(f"c{c}", errors, one)
-        h.section("structured", errors, lambda: out.update(structured=_llm_structured.measure(
-            backend, work, args.rounds, continuous)))
+        if "structured" in only:
+            h.section("structured", errors, lambda: out.update(
+                structured=_llm_structured.measure(backend, work, args.rounds, continuous)))
 
         def alone() -> None:
             sweep["one_at_a_time"] = static(backend, work[:4], 1)
             print(f"one at a time: {sweep['one_at_a_time']['tokens_per_s']:.1f} tokens/s")
-        h.section("one at a time", errors, alone)
+        if "sweep" in only:
+            h.section("one at a time", errors, alone)
+
+        def http() -> None:
+            out["http"] = _llm_http.measure(MODEL_DIR, work, args.rounds, deadline, errors)
+        if "http" in only:
+            h.section("http", errors, http)
     cont, stat = median_round(rounds["continuous"]), median_round(rounds["static"])
     out["c16"] = {"continuous_tps": cont.get("tokens_per_s"),
                   "static_tps": stat.get("tokens_per_s"),
                   "ratio": ratio_spread(rounds["continuous"], rounds["static"]),
                   "continuous": cont, "static": stat}
     out["sweep"] = sweep
-    # Not measured yet: the HTTP comparison on this model is not written
-    # (bench/textgen_http.py measures the path with the byte model).
-    out["structured_ratio"] = out.get("structured", {}).get("structured_ratio")
-    out["http"] = None
-    one = sweep.get("one_at_a_time", {}).get("tokens_per_s")
-    out["ratios"] = {
-        "c16_continuous_over_static": out["c16"]["ratio"]["median"],
-        "prefix_hit_over_miss_ttft": out.get("prefix", {}).get("hit_over_miss", {}).get(
-            "median"),
-        "c16_continuous_over_one_at_a_time": h.ratio(cont.get("tokens_per_s"), one),
-        **{f"{k}_over_one_at_a_time": h.ratio(v["tokens_per_s"], one)
-           for k, v in sweep.items() if k.startswith("c")},
-    }
+    out.setdefault("http", None)
+    out = kept_sections(out, only, args.short)
+    out["structured_ratio"] = (out.get("structured") or {}).get("structured_ratio")
+    out["ratios"] = ratios_of(out)
     print(out["ratios"], flush=True)
     h.write_results("llm", {"complete": not errors, "errors": errors, **out,
                             "config": {"requests": args.requests, "rounds": args.rounds,

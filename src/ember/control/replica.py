@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import sys
 import time
@@ -44,6 +45,23 @@ def hide_gpus_unless_asked(num_gpus: float) -> None:
         logger.warning("CUDA was initialized before the replica started; GPUs stay visible")
         return
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def match_torch_threads(num_cpus: float) -> int:
+    """Size torch's intra-op thread pool to the CPUs the replica reserved (at least one).
+
+    Ray sets ``OMP_NUM_THREADS`` from ``num_cpus`` when a worker takes an actor, but a
+    pre-started warm-runtime worker imported torch and ran it before that, so its pool
+    already holds a thread per core of the node: a ``num_cpus=1`` replica would compute on
+    every core, crowding the replicas beside it. Runs before ``setup()``, which may still
+    choose its own count. Returns the count set.
+    """
+    threads = max(1, math.floor(num_cpus))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for a torch imported later
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+    return threads
 
 
 async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
@@ -130,6 +148,7 @@ def replica_class(spec: DeploymentSpec) -> type:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits it
             bind_replica_grpc_to_node_ip()
             hide_gpus_unless_asked(spec.options.num_gpus)
+            match_torch_threads(spec.options.num_cpus)
             self._core = await instantiate(spec)
 
         async def ember_call(self, attr: str, body: Any) -> Any:

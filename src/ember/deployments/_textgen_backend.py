@@ -53,6 +53,19 @@ class Backend(ABC):
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Fill empty ``slot`` with a prompt; the logits [V] of the token after it."""
 
+    def prefill_many(self, slots: list[int],
+                     prompts: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+        """Prefill several empty slots; each prompt's next-token logits [V] and cached tokens.
+
+        One at a time here; a backend that can compute several prompts in one forward (the
+        weights read once for all of them) overrides it.
+        """
+        out = []
+        for slot, tokens in zip(slots, prompts, strict=True):
+            logits = self.prefill(slot, tokens)
+            out.append((logits, self.cached_tokens))
+        return out
+
     @abstractmethod
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """Append one token to each of ``slots`` (always ``0..B-1``); logits [B, V]."""

@@ -358,16 +358,17 @@ class Engine:
                 sampled = seq.params.temperature > 0
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos, logits[i])
-        for seq in fresh:
-            self._started(seq, self.backend.prefill(seq.slot, seq.prompt), eos)
+        if fresh:  # every prompt admitted at this step in as few forwards as the backend can
+            done = self.backend.prefill_many([s.slot for s in fresh], [s.prompt for s in fresh])
+            for seq, (logits, cached) in zip(fresh, done, strict=True):
+                self._started(seq, logits, cached, eos)
 
-    def _started(self, seq: _Seq, logits: torch.Tensor, eos: int | None) -> None:
+    def _started(self, seq: _Seq, logits: torch.Tensor, cached: int, eos: int | None) -> None:
         """A prefilled prompt's first token; its other choices copy its cache, then sample."""
-        seq.cached = self.backend.cached_tokens
         for choice in (seq, *seq.forks):
             if choice is not seq:
                 self.backend.fork(seq.slot, choice.slot)
-                choice.cached = seq.cached
+            choice.cached = cached
             masked = constrain(logits.unsqueeze(0), [choice.constraint])[0]
             choice.take(sample(masked, choice.params, choice.generator), eos, masked)
 

@@ -1,8 +1,9 @@
 """Any ``transformers`` causal LM behind the generation engine, one forward per decode step.
 
 The model is loaded from a local directory with ``local_files_only=True`` (nothing is ever
-downloaded). Prompts are prefilled one at a time with the model's own cache; decode steps
-run every running sequence in one forward over a :class:`SlotTable` (``_textgen_slots``).
+downloaded). Prompts admitted at one step are prefilled together, laid end to end in one
+forward (``_textgen_pack``), except those that start from a cached prefix; decode steps run
+every running sequence in one forward over a :class:`SlotTable` (``_textgen_slots``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_pack import groups, pack
 from ember.deployments._textgen_prefix import PrefixCache, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
 
@@ -42,7 +44,7 @@ class TransformersBackend(Backend):
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024,
-                 prefix_blocks: int = 256) -> None:
+                 prefix_blocks: int = 256, max_pack_tokens: int = 1024) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.max_len = min(max_len, int(getattr(model.config, "max_position_embeddings",
@@ -53,6 +55,8 @@ class TransformersBackend(Backend):
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.table: SlotTable | None = None
+        #: Tokens of fresh prompts computed together in one packed prefill forward.
+        self.max_pack_tokens = max_pack_tokens
         #: Prompt blocks already computed (None: every prompt is computed in full).
         self.prefix = PrefixCache(max_blocks=prefix_blocks) if prefix_blocks else None
 
@@ -83,21 +87,66 @@ class TransformersBackend(Backend):
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        cache = DynamicCache()
         hits = self.prefix.match(tokens) if self.prefix is not None else []
+        return self._prefill_after(slot, tokens, hits)
+
+    @torch.inference_mode()
+    def prefill_many(self, slots: list[int],
+                     prompts: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+        """Prompts with a cached prefix start from it, one each; the rest share packed forwards."""
+        out: list[tuple[torch.Tensor, int] | None] = [None] * len(prompts)
+        cold: list[int] = []
+        for i, tokens in enumerate(prompts):
+            hits = self.prefix.match(tokens) if self.prefix is not None else []
+            if hits:
+                out[i] = (self._prefill_after(slots[i], tokens, hits), self.cached_tokens)
+            else:
+                cold.append(i)
+        for group in groups([len(prompts[i]) for i in cold], max_tokens=self.max_pack_tokens):
+            chosen = [cold[g] for g in group]
+            logits = self._prefill_packed([slots[i] for i in chosen], [prompts[i] for i in chosen])
+            for i, row in zip(chosen, logits, strict=True):
+                out[i] = (row, 0)
+        self.cached_tokens = 0
+        return [o for o in out if o is not None]
+
+    def _prefill_after(self, slot: int, tokens: list[int], hits: list[Any]) -> torch.Tensor:
+        """Prefill one prompt alone, starting from the keys/values of its cached blocks."""
+        cache = DynamicCache()
         for layer in range(self.n_layers if hits else 0):  # start from the cached prefix
             cache.update(*joined(hits, layer), layer)
         done = len(hits) * (self.prefix.block_tokens if self.prefix is not None else 0)
         self.cached_tokens = done
         out = self.model(input_ids=torch.tensor([tokens[done:]]), use_cache=True,
                          **{self._cache_kw: cache}, **self._last_only)
+        self._keep(slot, tokens, cache, slice(None))
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits
+
+    def _prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill several prompts in one forward; their next-token logits [len(prompts), V]."""
+        if len(prompts) == 1:
+            return self._prefill_after(slots[0], prompts[0], [])[None]
+        packed = pack(prompts, self.model.dtype)
+        cache = DynamicCache()
+        keep = {"logits_to_keep": packed.last} if self._last_only else {}
+        out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                         attention_mask=packed.mask, use_cache=True, **{self._cache_kw: cache},
+                         **keep)
+        for slot, tokens, (start, end) in zip(slots, prompts, packed.bounds, strict=True):
+            self._keep(slot, tokens, cache, slice(start, end))
+        logits: torch.Tensor = out.logits[0] if keep else out.logits[0, packed.last]
+        return logits.float()
+
+    def _keep(self, slot: int, tokens: list[int], cache: Any, cut: slice) -> None:
+        """Copy one prompt's keys/values (columns ``cut`` of ``cache``) into ``slot`` and the
+        prefix cache."""
         layers: list[Any] = list(cache.layers[:self.n_layers])
-        keys, values = [la.keys for la in layers], [la.values for la in layers]
+        keys = [la.keys[:, :, cut] for la in layers]
+        values = [la.values[:, :, cut] for la in layers]
         self._table().place(slot, keys, values)
         if self.prefix is not None:
             self.prefix.insert(tokens, keys, values)
-        logits: torch.Tensor = out.logits[0, -1].float()
-        return logits
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:

@@ -123,13 +123,23 @@ def test_greedy_equals_generate_in_mixed_batches_joining_mid_run(model_dir: Path
     assert backend.table.compactions > 0 and backend.table.capacity == 44
 
 
-def test_a_decode_step_is_one_forward_for_every_running_sequence(model_dir: Path) -> None:
+def test_greedy_equals_generate_when_prompts_arrive_together_and_are_packed(
+        model_dir: Path) -> None:
     backend = _backend(model_dir)
-    calls: list[int] = []
+    backend.max_pack_tokens = 24  # the seven prompts (54 tokens) make three packed forwards
+    together = asyncio.run(_generate(backend, len(PROMPTS)))
+    want = [_reference(backend, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    assert together == want
+
+
+def test_a_step_is_one_forward_for_every_running_sequence_and_one_for_new_prompts(
+        model_dir: Path) -> None:
+    backend = _backend(model_dir)
+    calls: list[tuple[int, int]] = []
     forward = backend.model.forward
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(int(kwargs["input_ids"].shape[0]))
+        calls.append(tuple(kwargs["input_ids"].shape))
         return forward(*args, **kwargs)
 
     backend.model.forward = counted
@@ -142,9 +152,10 @@ def test_a_decode_step_is_one_forward_for_every_running_sequence(model_dir: Path
         await engine.close()
 
     asyncio.run(run())
-    prefills, decodes = calls[:4], calls[4:]
-    assert prefills == [1, 1, 1, 1]
-    assert decodes == [4] * 5 and engine.steps == 6  # 4 rows in each of the 5 decode steps
+    # The four prompts admitted together are laid end to end in one prefill forward.
+    packed = sum(len(backend.encode(p)) for p in PROMPTS[:4])
+    assert calls[0] == (1, packed), calls
+    assert calls[1:] == [(4, 1)] * 5 and engine.steps == 6  # 4 rows in each decode step
 
 
 async def _drain(chunks: Any) -> None:
