@@ -90,6 +90,20 @@ class ReplicaCore:
             return await call_user(fn, *(() if body is None else (body,)))
         return await submit(body)
 
+    async def routing_stats(self) -> dict[str, Any]:
+        """``{"warm": ...}`` and whatever the user's ``routing_stats()`` adds or overrides.
+
+        A replica is warm once setup and warmup ran (before that Serve does not route to
+        it); a class whose caches can go cold later (reloaded weights, a cache dropped)
+        says so with ``routing_stats() -> {"warm": False}``, and the prefix router stops
+        choosing it for its prefixes alone.
+        """
+        stats: dict[str, Any] = {"warm": True}
+        own = getattr(self.impl, "routing_stats", None)
+        if own is not None:
+            stats.update(await call_user(own))
+        return stats
+
     async def stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
         fn = self._handler(attr)
         produced = fn(*(() if body is None else (body,)))
@@ -142,6 +156,10 @@ def replica_class(spec: DeploymentSpec) -> type:
         async def ember_ping(self) -> dict[str, Any]:
             """Cheap call that wakes a cold deployment and reports how its replica started."""
             return self._core.timeline.as_dict()
+
+        async def record_routing_stats(self) -> dict[str, Any]:
+            """What a routing policy reads about this replica (Serve asks periodically)."""
+            return await self._core.routing_stats()
 
         async def check_health(self) -> None:
             check = getattr(self._core.impl, "check_health", None)
