@@ -180,3 +180,13 @@ def test_the_import_path_serve_resolves_is_the_router() -> None:
     config = RequestRouterConfig(
         request_router_class=PREFIX_ROUTER_IMPORT_PATH)  # type: ignore[arg-type]
     assert config.get_request_router_class() is PrefixRouter
+
+
+def test_a_completion_reported_before_its_routing_does_not_count_for_ever() -> None:
+    # Serve reports a fast request's completion before its routing (seen on a real cluster).
+    made, replicas = router(gap=0), [FakeReplica("a"), FakeReplica("b")]
+    pending = request(SHARED + "fast", 0)
+    made.on_request_completed(ReplicaID("a", DEPLOYMENT), "i0")
+    made.on_request_routed(pending, ReplicaID("a", DEPLOYMENT), None)
+    assert made._ember_load(replicas[0]).queue_len == 0  # type: ignore[arg-type]
+    assert route(made, replicas, request(SHARED + "again", 1)) == "a"

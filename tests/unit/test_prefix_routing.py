@@ -65,6 +65,14 @@ def test_a_cold_holder_is_not_chosen_for_affinity_alone() -> None:
     assert choice is not None and (choice.replica, choice.reason) == ("b", "least_loaded")
 
 
+def test_a_tie_for_least_loaded_goes_to_the_warm_replica() -> None:
+    table = PrefixTable()
+    table.record(blocks("x"), "a")
+    replicas = [ReplicaLoad("a", 0, warm=False), ReplicaLoad("b", 0)]
+    choice = choose(blocks("y"), table, replicas, max_queue_gap=8)
+    assert choice is not None and (choice.replica, choice.reason) == ("b", "least_loaded")
+
+
 def test_a_cold_replica_still_takes_load_when_it_is_the_least_loaded() -> None:
     table = PrefixTable()
     table.record(blocks("x"), "b")

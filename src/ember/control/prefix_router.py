@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import (
@@ -33,6 +34,9 @@ from ember.control.prefix_routing import (
 )
 
 logger = logging.getLogger("ember.prefix_router")
+#: Completions remembered before their routing is reported (refused requests never are).
+_FINISHED_KEPT = 4096
+_MISSING = object()
 
 
 def prompt_text(args: list[Any] | tuple[Any, ...], kwargs: dict[Any, Any]) -> str | None:
@@ -74,6 +78,9 @@ class PrefixRouter(RequestRouter):
         self._ember_table = PrefixTable(max_blocks=max_blocks)
         #: internal request id -> replica, for requests sent and not yet finished.
         self._ember_inflight: dict[str, str] = {}
+        #: Ids whose completion came before their routing: Serve may report them in either
+        #: order, and a completion missed would count a finished request for ever.
+        self._ember_finished: OrderedDict[str, None] = OrderedDict()
         self._ember_known: set[str] = set()
 
     def _ember_blocks(self, request: PendingRequest | None) -> list[int]:
@@ -124,10 +131,14 @@ class PrefixRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         """The replica took the request: it will hold the prompt's blocks."""
-        name = replica_id.unique_id
-        self._ember_inflight[pending_request.metadata.internal_request_id] = name
+        name, request_id = replica_id.unique_id, pending_request.metadata.internal_request_id
         self._ember_table.record(self._ember_blocks(pending_request), name)
+        if self._ember_finished.pop(request_id, _MISSING) is _MISSING:
+            self._ember_inflight[request_id] = name
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request finished (or was refused): it no longer counts in the load."""
-        self._ember_inflight.pop(internal_request_id, None)
+        if self._ember_inflight.pop(internal_request_id, None) is None:
+            self._ember_finished[internal_request_id] = None
+            while len(self._ember_finished) > _FINISHED_KEPT:
+                self._ember_finished.popitem(last=False)

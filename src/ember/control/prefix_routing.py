@@ -156,11 +156,12 @@ def choose(blocks: Sequence[int], table: PrefixTable, replicas: Sequence[Replica
     more than ``max_queue_gap`` longer than the least-loaded replica's (then the next
     holder, by matched length); a prefix no replica holds goes to its rendezvous home among
     the replicas that qualify; otherwise, or for a prompt shorter than a block, the least
-    loaded (ties: the first in ``replicas``).
+    loaded (ties: a warm one, then the first in ``replicas``).
     """
     if not replicas:
         return None
-    least = min(replicas, key=lambda r: r.queue_len)
+    # Among equally loaded replicas a warm one first: a cold one is for load, not for ties.
+    least = min(replicas, key=lambda r: (r.queue_len, not r.warm))
 
     def qualifies(r: ReplicaLoad) -> bool:
         return r.warm and r.queue_len - least.queue_len <= max_queue_gap
