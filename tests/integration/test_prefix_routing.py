@@ -71,11 +71,13 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(url: str) -
 def test_an_overloaded_holder_is_bypassed(url: str) -> None:
     system = f"System {uuid.uuid4()}: the overloaded one, whose prefix is very popular. "
     holder = post(url, system + "first")["replica"]
-    # Eight at once, each held 3 s: past the gap of 2, the other replica takes some.
-    answers = concurrently(url, [system + f"burst {n}" for n in range(8)], hold_s=3.0)
+    # Sixteen at once, each held 4 s: past the gap of 2 (each edge counts what it sent),
+    # the other replica takes some.
+    answers = concurrently(url, [system + f"burst {n}" for n in range(16)], hold_s=4.0)
     others = [a for a in answers if a["replica"] != holder]
     assert others, answers
-    assert not others[0]["had_prefix"]  # chosen for load, not for what it held
+    # Chosen for load, not for what it held: its first request of the prefix found nothing.
+    assert [a["had_prefix"] for a in others].count(False) == 1, others
     assert sum(a["replica"] == holder for a in answers) >= 3, answers
 
 

@@ -81,7 +81,7 @@ def test_requests_sharing_a_prefix_go_where_the_first_went() -> None:
 def test_the_holder_is_bypassed_once_its_queue_passes_the_gap() -> None:
     made, replicas = router(gap=2), [FakeReplica("a"), FakeReplica("b")]
     holder = route(made, replicas, request(SHARED + "first", 0))
-    # Requests 1..3 stay on the holder (3 in flight: 0, 1, 2), then the gap is passed.
+    # Requests 1..2 stay on the holder (in flight: 0, 1, 2), then the gap is passed.
     seen = [route(made, replicas, request(SHARED + f"more {n}", n)) for n in range(1, 5)]
     assert seen[:2] == [holder, holder] and holder not in seen[3:]
 
@@ -93,8 +93,6 @@ def test_a_replica_that_reports_cold_is_not_chosen_for_its_prefix() -> None:
     made.on_request_completed(ReplicaID(holder, DEPLOYMENT), "i0")
     other = "b" if holder == "a" else "a"
     cold = [FakeReplica(holder, {"warm": False}), FakeReplica(other)]
-    made.replica_queue_len_cache.update(ReplicaID(other, DEPLOYMENT), 1)
-    made.replica_queue_len_cache.update(ReplicaID(holder, DEPLOYMENT), 2)
     assert route(made, cold, request(SHARED + "second", 1)) == other
 
 
@@ -108,8 +106,9 @@ def test_a_replica_gone_and_back_starts_with_no_prefixes() -> None:
 
 def test_a_request_without_a_prompt_goes_to_the_least_loaded() -> None:
     made, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
-    made.replica_queue_len_cache.update(ReplicaID("a", DEPLOYMENT), 5)
-    assert route(made, replicas, request(None, 0)) == "b"
+    for n in range(3):
+        made.on_request_routed(request(None, n), ReplicaID("a", DEPLOYMENT), None)
+    assert route(made, replicas, request(None, 9)) == "b"
 
 
 def test_every_other_replica_is_ranked_after_the_choice() -> None:
@@ -188,5 +187,16 @@ def test_a_completion_reported_before_its_routing_does_not_count_for_ever() -> N
     pending = request(SHARED + "fast", 0)
     made.on_request_completed(ReplicaID("a", DEPLOYMENT), "i0")
     made.on_request_routed(pending, ReplicaID("a", DEPLOYMENT), None)
-    assert made._ember_load(replicas[0]).queue_len == 0  # type: ignore[arg-type]
+    assert made._ember_inflight.counts() == {}
     assert route(made, replicas, request(SHARED + "again", 1)) == "a"
+
+
+def test_a_burst_counts_its_own_choices_before_any_acceptance() -> None:
+    # Serve routes a burst before the first acceptance comes back.
+    made, replicas = router(gap=2), [FakeReplica("a"), FakeReplica("b")]
+    seen = []
+    for n in range(8):
+        ranks = LOOP[0].run_until_complete(made.choose_replicas(
+            replicas, request(SHARED + f"burst {n}", n)))  # type: ignore[arg-type]
+        seen.append(ranks[0][0].replica_id.unique_id)
+    assert len(set(seen)) == 2 and max(seen.count("a"), seen.count("b")) <= 5

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ember.control.prefix_routing import (
+    InFlight,
     PrefixTable,
     ReplicaLoad,
     block_names,
@@ -71,6 +72,13 @@ def test_a_tie_for_least_loaded_goes_to_the_warm_replica() -> None:
     replicas = [ReplicaLoad("a", 0, warm=False), ReplicaLoad("b", 0)]
     choice = choose(blocks("y"), table, replicas, max_queue_gap=8)
     assert choice is not None and (choice.replica, choice.reason) == ("b", "least_loaded")
+
+
+def test_a_cold_replica_does_not_win_on_a_queue_one_shorter() -> None:
+    # Queue lengths lag a request or so: a warm replica within the gap goes first.
+    replicas = [ReplicaLoad("a", 0, warm=False), ReplicaLoad("b", 1)]
+    choice = choose(text_blocks("hi"), PrefixTable(), replicas, max_queue_gap=8)
+    assert choice is not None and choice.replica == "b"
 
 
 def test_a_cold_replica_still_takes_load_when_it_is_the_least_loaded() -> None:
@@ -160,3 +168,24 @@ def test_the_router_names_blocks_as_the_engines_prefix_cache_does(length: int) -
 
 def test_text_blocks_are_the_byte_tokens_blocks() -> None:
     assert text_blocks("é" * 20) == block_names(list("é".encode() * 20))
+
+
+def test_in_flight_counts_choices_then_acceptances_until_finished() -> None:
+    now = [0.0]
+    inflight = InFlight(choice_ttl_s=5.0, clock=lambda: now[0])
+    inflight.chosen("1", "a")
+    inflight.chosen("2", "a")
+    inflight.routed("2", "b")  # chosen for a, taken by b
+    assert inflight.counts() == {"a": 1, "b": 1}
+    now[0] = 6.0  # the choice of 1 was never confirmed
+    assert inflight.counts() == {"b": 1}
+    inflight.finished("2")
+    assert inflight.counts() == {}
+
+
+def test_a_finish_reported_before_the_acceptance_is_not_counted() -> None:
+    inflight = InFlight()
+    inflight.chosen("1", "a")
+    inflight.finished("1")
+    inflight.routed("1", "a")
+    assert inflight.counts() == {}

@@ -3,9 +3,10 @@
 Ray Serve runs one instance in every process that holds a handle to the deployment (each
 Ember edge); :mod:`ember.control.prefix_routing` decides, this class only adapts it to Ray's
 public request-router API (``ray.serve.request_router``). It reads the prompt from the
-request's arguments, the replicas' loads from what it sent them (and the queue lengths Serve
-learns from replicas), their warm state from their routing stats (``record_routing_stats``),
-and records in its table where each prompt was routed.
+request's arguments, the replicas' loads from what it sent them, their warm state from their
+routing stats (``record_routing_stats``), and records in its table where each prompt was
+routed. Each edge balances what it sends; the edges agree on where a new prefix goes (its
+rendezvous home), so their tables agree too until load moves a prefix.
 
 It is not a ``FIFOMixin`` router on purpose: with FIFO, the replica chosen for one request
 is handed to the oldest waiting request, whose prompt may share nothing with it.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import (
@@ -27,6 +27,7 @@ from ray.serve.request_router import (
 
 from ember.control.prefix_routing import (
     BLOCK_TOKENS,
+    InFlight,
     PrefixTable,
     ReplicaLoad,
     choose,
@@ -34,9 +35,6 @@ from ember.control.prefix_routing import (
 )
 
 logger = logging.getLogger("ember.prefix_router")
-#: Completions remembered before their routing is reported (refused requests never are).
-_FINISHED_KEPT = 4096
-_MISSING = object()
 
 
 def prompt_text(args: list[Any] | tuple[Any, ...], kwargs: dict[Any, Any]) -> str | None:
@@ -76,24 +74,22 @@ class PrefixRouter(RequestRouter):
         """Called by Serve with ``request_router_kwargs``."""
         self._ember_gap, self._ember_block_tokens = max_queue_gap, block_tokens
         self._ember_table = PrefixTable(max_blocks=max_blocks)
-        #: internal request id -> replica, for requests sent and not yet finished.
-        self._ember_inflight: dict[str, str] = {}
-        #: Ids whose completion came before their routing: Serve may report them in either
-        #: order, and a completion missed would count a finished request for ever.
-        self._ember_finished: OrderedDict[str, None] = OrderedDict()
+        self._ember_inflight = InFlight()
         self._ember_known: set[str] = set()
 
     def _ember_blocks(self, request: PendingRequest | None) -> list[int]:
         text = None if request is None else prompt_text(request.args, request.kwargs)
         return [] if text is None else text_blocks(text, self._ember_block_tokens)
 
-    def _ember_load(self, replica: RunningReplica) -> ReplicaLoad:
+    @staticmethod
+    def _ember_load(replica: RunningReplica, sent: dict[str, int]) -> ReplicaLoad:
+        # What this router sent, not Serve's queue-length cache: that cache is set from the
+        # replica's count at acceptance, which for a fast request arrives after its
+        # completion was counted, and leaves the replica a request or more too long for
+        # seconds (measured). Serve still skips a replica that is full.
         name = replica.replica_id.unique_id
-        sent = sum(1 for r in self._ember_inflight.values() if r == name)
-        # Serve's cache holds the replica's own count (other edges' requests too) when fresh.
-        reported = self.replica_queue_len_cache.get(replica.replica_id) or 0
         warm = bool((replica.routing_stats or {}).get("warm", True))
-        return ReplicaLoad(name, max(sent, reported), warm)
+        return ReplicaLoad(name, sent.get(name, 0), warm)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
@@ -108,11 +104,15 @@ class PrefixRouter(RequestRouter):
         replicas = list(candidate_replicas)
         random.shuffle(replicas)  # ties between equally loaded replicas: spread them
         self._ember_forget_gone(replicas)
-        loads = [self._ember_load(r) for r in replicas]
+        sent = self._ember_inflight.counts()
+        loads = [self._ember_load(r, sent) for r in replicas]
         choice = choose(self._ember_blocks(pending_request), self._ember_table, loads,
                         max_queue_gap=self._ember_gap)
         if choice is None:
             return []
+        if pending_request is not None:
+            self._ember_inflight.chosen(pending_request.metadata.internal_request_id,
+                                        choice.replica)
         queue = {load.replica: load.queue_len for load in loads}
         chosen = [r for r in replicas if r.replica_id.unique_id == choice.replica]
         rest = sorted((r for r in replicas if r.replica_id.unique_id != choice.replica),
@@ -133,12 +133,8 @@ class PrefixRouter(RequestRouter):
         """The replica took the request: it will hold the prompt's blocks."""
         name, request_id = replica_id.unique_id, pending_request.metadata.internal_request_id
         self._ember_table.record(self._ember_blocks(pending_request), name)
-        if self._ember_finished.pop(request_id, _MISSING) is _MISSING:
-            self._ember_inflight[request_id] = name
+        self._ember_inflight.routed(request_id, name)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request finished (or was refused): it no longer counts in the load."""
-        if self._ember_inflight.pop(internal_request_id, None) is None:
-            self._ember_finished[internal_request_id] = None
-            while len(self._ember_finished) > _FINISHED_KEPT:
-                self._ember_finished.popitem(last=False)
+        self._ember_inflight.finished(internal_request_id)

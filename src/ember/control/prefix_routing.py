@@ -26,8 +26,10 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -136,6 +138,52 @@ class PrefixTable:
                 del self._holders[name]
 
 
+class InFlight:
+    """The requests a router has given each replica and not seen finish.
+
+    A request counts from the moment it is chosen for a replica, not only once the replica
+    has accepted it: a burst is routed before the first acceptance comes back, and without
+    its own choices in the count the router would send the whole burst to one replica. A
+    choice never confirmed stops counting after ``choice_ttl_s``. Finishing may be reported
+    before acceptance (Serve does so for fast requests); such ids are remembered (the last
+    ``kept``) so the late acceptance does not count a finished request for ever.
+    """
+
+    def __init__(self, *, choice_ttl_s: float = 5.0, kept: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.choice_ttl_s, self.kept, self.clock = choice_ttl_s, kept, clock
+        self._requests: dict[str, tuple[str, float]] = {}  # id -> (replica, counts until)
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    def chosen(self, request_id: str, replica: str) -> None:
+        """``replica`` was chosen for the request; it may still go elsewhere."""
+        self._requests[request_id] = (replica, self.clock() + self.choice_ttl_s)
+
+    def routed(self, request_id: str, replica: str) -> None:
+        """``replica`` accepted the request: it counts until it finishes."""
+        if request_id in self._finished:  # it finished before its acceptance was reported
+            del self._finished[request_id]
+            return
+        self._requests[request_id] = (replica, math.inf)
+
+    def finished(self, request_id: str) -> None:
+        """The request finished, failed or was refused."""
+        self._requests.pop(request_id, None)
+        self._finished[request_id] = None
+        while len(self._finished) > self.kept:
+            self._finished.popitem(last=False)
+
+    def counts(self) -> dict[str, int]:
+        """Replica -> requests it has; expired choices are dropped."""
+        now, out = self.clock(), dict[str, int]()
+        for request_id, (replica, until) in list(self._requests.items()):
+            if until < now:
+                del self._requests[request_id]
+            else:
+                out[replica] = out.get(replica, 0) + 1
+        return out
+
+
 def rendezvous(key: int, replicas: Sequence[str]) -> list[str]:
     """``replicas`` ordered by highest-random-weight for ``key``: the first is its home.
 
@@ -156,15 +204,22 @@ def choose(blocks: Sequence[int], table: PrefixTable, replicas: Sequence[Replica
     more than ``max_queue_gap`` longer than the least-loaded replica's (then the next
     holder, by matched length); a prefix no replica holds goes to its rendezvous home among
     the replicas that qualify; otherwise, or for a prompt shorter than a block, the least
-    loaded (ties: a warm one, then the first in ``replicas``).
+    loaded of the warm replicas within the gap (a cold one only when no warm one is; ties:
+    the first in ``replicas``).
     """
     if not replicas:
         return None
-    # Among equally loaded replicas a warm one first: a cold one is for load, not for ties.
-    least = min(replicas, key=lambda r: (r.queue_len, not r.warm))
+    lowest = min(r.queue_len for r in replicas)
+
+    def within_gap(r: ReplicaLoad) -> bool:
+        return r.queue_len - lowest <= max_queue_gap
+
+    # For load alone a warm replica within the gap goes before a cold one: queue lengths are
+    # a request or two stale, and a cold replica must not win on that.
+    least = min((r for r in replicas if within_gap(r)), key=lambda r: (not r.warm, r.queue_len))
 
     def qualifies(r: ReplicaLoad) -> bool:
-        return r.warm and r.queue_len - least.queue_len <= max_queue_gap
+        return r.warm and within_gap(r)
 
     by_name = {r.replica: r for r in replicas}
     depth = {name: d for name, d in table.matched(blocks).items() if name in by_name}
