@@ -52,7 +52,11 @@ class _Engine:
         self.generator.warmup()
 
 
-@ember.deployment(name="GenPrefix", router="prefix", **OPTIONS)
+#: The router's queue gap (``EMBER_BENCH_PREFIX_GAP``; Ember's default is 8).
+GAP = int(os.environ.get("EMBER_BENCH_PREFIX_GAP", "8"))
+
+
+@ember.deployment(name="GenPrefix", router="prefix", prefix_max_queue_gap=GAP, **OPTIONS)
 class GenPrefix(_Engine):
     @ember.route("/gen")
     async def generate(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:

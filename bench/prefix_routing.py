@@ -22,7 +22,8 @@ Usage:
         [--rounds 3] [--prefixes 4] [--per-prefix 6] [--concurrency 4]
 
 The 27M-parameter model (default) writes ``prefix_routing[.short].json``; the 6M one,
-``prefix_routing_6m[.short].json``.
+``prefix_routing_6m[.short].json``; ``EMBER_BENCH_PREFIX_GAP=N`` (default 8) sets the
+router's ``prefix_max_queue_gap`` and adds ``_gapN`` to the name.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def main() -> int:
     build_model(apps.MODEL_DIR, **apps.SIZES)
     errors: list[str] = []
     data: dict[str, Any] = {"config": {**vars(args), "prefix_chars": PREFIX_CHARS,
+                                       "prefix_max_queue_gap": apps.GAP,
                                        "model": apps.SIZES, "max_tokens": 2}}
     with h.deadline_run(args.deadline_s, errors, _serving.shutdown) as deadline:
         import ember
@@ -168,6 +170,7 @@ def main() -> int:
               "mean", h.fmt_ratio(o["ttft_mean_s"], p["ttft_mean_s"]), flush=True)
     data["errors"] = errors
     name = "prefix_routing" if args.model == "27m" else f"prefix_routing_{args.model}"
+    name += "" if apps.GAP == 8 else f"_gap{apps.GAP}"
     h.write_results(name, data, short=args.short)
     return 1 if errors else 0
 
