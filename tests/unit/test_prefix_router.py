@@ -200,3 +200,30 @@ def test_a_burst_counts_its_own_choices_before_any_acceptance() -> None:
             replicas, request(SHARED + f"burst {n}", n)))  # type: ignore[arg-type]
         seen.append(ranks[0][0].replica_id.unique_id)
     assert len(set(seen)) == 2 and max(seen.count("a"), seen.count("b")) <= 5
+
+
+def test_only_prefix_routed_replicas_report_routing_stats() -> None:
+    from ember.control.replica import ReplicaCore, replica_class
+
+    @ember.deployment(router="prefix")
+    class Routed:
+        def __call__(self, body: GenerateRequest) -> str:
+            return "ok"
+
+        def routing_stats(self) -> dict[str, bool]:
+            return {"warm": False}
+
+    @ember.deployment
+    class Plain:
+        def __call__(self, body: GenerateRequest) -> str:
+            return "ok"
+
+    from ember.app.decorator import get_spec
+
+    routed, plain = get_spec(Routed), get_spec(Plain)
+    assert hasattr(replica_class(routed), "record_routing_stats")
+    assert not hasattr(replica_class(plain), "record_routing_stats")
+    core = ReplicaCore(routed, Routed())
+    assert LOOP[0].run_until_complete(core.routing_stats()) == {"warm": False}
+    assert LOOP[0].run_until_complete(ReplicaCore(plain, Plain()).routing_stats()) == {
+        "warm": True}

@@ -157,14 +157,18 @@ def replica_class(spec: DeploymentSpec) -> type:
             """Cheap call that wakes a cold deployment and reports how its replica started."""
             return self._core.timeline.as_dict()
 
-        async def record_routing_stats(self) -> dict[str, Any]:
-            """What a routing policy reads about this replica (Serve asks periodically)."""
-            return await self._core.routing_stats()
-
         async def check_health(self) -> None:
             check = getattr(self._core.impl, "check_health", None)
             if check is not None:
                 await call_user(check)
 
+    if spec.options.router == "prefix":
+        # Serve polls a replica's routing stats only when its class defines this method;
+        # the other routers read none, so their replicas are not asked.
+        async def record_routing_stats(self: Any) -> dict[str, Any]:
+            """What the prefix router reads about this replica (``{"warm": ...}``)."""
+            return await self._core.routing_stats()  # type: ignore[no-any-return]
+
+        EmberReplica.record_routing_stats = record_routing_stats  # type: ignore[attr-defined]
     EmberReplica.__name__ = EmberReplica.__qualname__ = f"EmberReplica_{spec.name}"
     return EmberReplica
