@@ -54,8 +54,9 @@ SECTIONS = ("prefix", "c16", "sweep", "structured", "http")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:()[]{}0123456789"
 
 
-def build_model(path: Path = MODEL_DIR) -> Path:
-    """The seeded random Llama and its tokenizer, saved once (a model directory)."""
+def build_model(path: Path = MODEL_DIR, **sizes: int) -> Path:
+    """The seeded random Llama and its tokenizer, saved once (a model directory); ``sizes``
+    override the ``LlamaConfig`` fields (a smaller model for another benchmark)."""
     if (path / "config.json").exists():
         return path
     import tokenizers
@@ -69,10 +70,11 @@ def build_model(path: Path = MODEL_DIR) -> Path:
     fast = transformers.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token="<eos>")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
-        bos_token_id=None, eos_token_id=127, pad_token_id=0)
+    config = transformers.LlamaConfig(**{
+        "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2304,
+        "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
+        "max_position_embeddings": 2048, "bos_token_id": None, "eos_token_id": 127,
+        "pad_token_id": 0, **sizes})
     model = transformers.LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

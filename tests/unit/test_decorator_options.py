@@ -23,7 +23,7 @@ def test_every_option_is_accepted_by_the_decorator() -> None:
         warm_pool=True, warm_schedule=["Mon-Fri 08:00-20:00"], warm_schedule_tz="UTC",
         retry_on_replica_loss=False, max_start_attempts=2, health_check_period_s=1.0,
         health_check_timeout_s=5.0, snapshot_url="file:///m/model.safetensors",
-        snapshot_version="v1",
+        snapshot_version="v1", router="prefix", prefix_max_queue_gap=4,
     )
     class Typed:
         def __call__(self, items: list[str]) -> list[int]:

@@ -35,6 +35,12 @@ ROUTE_PATTERN = re.compile(r"^/[A-Za-z0-9_\-./{}]*$")
 
 #: Import path Ray Serve's controller resolves for Ember-managed deployments.
 POLICY_IMPORT_PATH = "ember.control.ray_policy:EmberAutoscalingPolicy"
+#: ``router=`` values: Ray Serve's own power-of-two-choices router, or Ember's prefix router.
+ROUTERS = ("default", "prefix")
+#: Import path of the request router ``router="prefix"`` gives a deployment's handles.
+PREFIX_ROUTER_IMPORT_PATH = "ember.control.prefix_router:PrefixRouter"
+#: How often a prefix-routed replica reports whether it is warm (Ray's default is 10 s).
+PREFIX_ROUTING_STATS_PERIOD_S = 2.0
 
 
 class DeploymentKwargs(TypedDict, total=False):
@@ -71,6 +77,8 @@ class DeploymentKwargs(TypedDict, total=False):
     max_start_attempts: int
     health_check_period_s: float
     health_check_timeout_s: float
+    router: str
+    prefix_max_queue_gap: int
 
 
 class DeploymentOptions(BaseModel):
@@ -143,6 +151,27 @@ class DeploymentOptions(BaseModel):
     )
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
+    router: str = Field(
+        default="default",
+        description="How a request picks a replica: 'default' (Ray Serve's power of two "
+        "choices) or 'prefix' (the replica that served the prompt's prefix, unless it is cold "
+        "or overloaded; see docs/prefix-routing.md).",
+    )
+    prefix_max_queue_gap: NonNegativeInt = Field(
+        default=8,
+        description="With router='prefix': a replica whose queue is longer than the least "
+        "loaded one's by more than this is not chosen for its prefix.",
+    )
+
+    @field_validator("router")
+    @classmethod
+    def _check_router(cls, value: str) -> str:
+        if value not in ROUTERS:
+            raise ValueError(
+                f"unknown router {value!r}: use 'prefix' (requests sharing a prompt prefix go "
+                "to the replica that holds it) or 'default' (Ray Serve's power of two choices)"
+            )
+        return value
 
     @field_validator("name")
     @classmethod
@@ -190,6 +219,11 @@ class DeploymentOptions(BaseModel):
             raise ValueError(
                 f"max_ongoing_requests ({self.max_ongoing_requests}) must be at least "
                 f"target_queue_depth ({self.target_queue_depth}), or the target is unreachable"
+            )
+        if "prefix_max_queue_gap" in self.model_fields_set and self.router != "prefix":
+            raise ValueError(
+                f"prefix_max_queue_gap ({self.prefix_max_queue_gap}) applies only with "
+                f"router='prefix' (router is {self.router!r})"
             )
         if self.snapshot_version and self.snapshot_url is None:
             raise ValueError(
@@ -282,6 +316,7 @@ def to_ray_options(
     }
     return {
         "name": name,
+        **router_options(options),
         "max_ongoing_requests": options.ongoing_limit(),
         "max_queued_requests": options.max_queue,
         "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
@@ -307,3 +342,14 @@ def to_ray_options(
             "policy": {"policy_function": POLICY_IMPORT_PATH, "policy_kwargs": policy_kwargs},
         },
     }
+
+
+def router_options(options: DeploymentOptions) -> dict[str, Any]:
+    """``request_router_config`` for ``router="prefix"``; nothing for Ray's default router."""
+    if options.router != "prefix":
+        return {}
+    return {"request_router_config": {
+        "request_router_class": PREFIX_ROUTER_IMPORT_PATH,
+        "request_router_kwargs": {"max_queue_gap": options.prefix_max_queue_gap},
+        "request_routing_stats_period_s": PREFIX_ROUTING_STATS_PERIOD_S,
+    }}

@@ -108,6 +108,20 @@ class ReplicaCore:
             return await call_user(fn, *(() if body is None else (body,)))
         return await submit(body)
 
+    async def routing_stats(self) -> dict[str, Any]:
+        """``{"warm": ...}`` and whatever the user's ``routing_stats()`` adds or overrides.
+
+        A replica is warm once setup and warmup ran (before that Serve does not route to
+        it); a class whose caches can go cold later (reloaded weights, a cache dropped)
+        says so with ``routing_stats() -> {"warm": False}``, and the prefix router stops
+        choosing it for its prefixes alone.
+        """
+        stats: dict[str, Any] = {"warm": True}
+        own = getattr(self.impl, "routing_stats", None)
+        if own is not None:
+            stats.update(await call_user(own))
+        return stats
+
     async def stream(self, attr: str, body: Any) -> AsyncIterator[Any]:
         fn = self._handler(attr)
         produced = fn(*(() if body is None else (body,)))
@@ -167,5 +181,13 @@ def replica_class(spec: DeploymentSpec) -> type:
             if check is not None:
                 await call_user(check)
 
+    if spec.options.router == "prefix":
+        # Serve polls a replica's routing stats only when its class defines this method;
+        # the other routers read none, so their replicas are not asked.
+        async def record_routing_stats(self: Any) -> dict[str, Any]:
+            """What the prefix router reads about this replica (``{"warm": ...}``)."""
+            return await self._core.routing_stats()  # type: ignore[no-any-return]
+
+        EmberReplica.record_routing_stats = record_routing_stats  # type: ignore[attr-defined]
     EmberReplica.__name__ = EmberReplica.__qualname__ = f"EmberReplica_{spec.name}"
     return EmberReplica

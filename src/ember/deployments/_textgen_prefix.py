@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.control.prefix_routing import block_names
+
 
 @dataclass(eq=False)
 class Block:
@@ -50,11 +52,8 @@ class PrefixCache:
         return len(self._blocks)
 
     def _names(self, tokens: list[int], blocks: int) -> list[int]:
-        names, parent, size = [], 0, self.block_tokens
-        for i in range(blocks):
-            parent = hash((parent, tuple(tokens[i * size:(i + 1) * size])))
-            names.append(parent)
-        return names
+        # The prefix router names a prompt's blocks with the same function.
+        return block_names(tokens, self.block_tokens, blocks)
 
     def match(self, tokens: list[int]) -> list[Block]:
         """The longest chain of cached blocks that starts ``tokens``, leaving at least one

@@ -141,7 +141,8 @@ ENGINE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192, max_waiting_
 
 # max_ongoing_requests covers the running batch and the engine's waiting line, so the engine
 # decides admission (503 with Retry-After) and Ray's own queue only holds the overflow.
-@ember.deployment(name="TextGen", warm_floor=0, max_replicas=1, num_cpus=1,
+# With more than one replica, prompts sharing a prefix go where its blocks are cached.
+@ember.deployment(name="TextGen", warm_floor=0, max_replicas=1, num_cpus=1, router="prefix",
                   max_ongoing_requests=96, max_queue=64, target_queue_depth=64,
                   scaledown_after_s=300, request_timeout_s=300)
 class TextGen:
