@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -40,6 +40,10 @@ class LoaderConfig(BaseModel):
         max_header_bytes: largest safetensors header accepted (at most 100 MB).
         staging_bytes: size of the pinned buffer used for host-to-device copies.
         verify_hits: re-hash a node-cache blob on every hit (slow, thorough).
+        cache_write: ``"behind"``: a load returns once its bytes are in memory, and the node
+            cache is filled from those bytes in the background; ``"through"``: every byte
+            is written to the node cache as it arrives and the load returns once the blob
+            is published (:func:`~ember.loaders.resolve` always works this way).
         storage_options: keyword arguments for the origin's fsspec filesystem
             (e.g. ``{"endpoint_url": ...}`` for s3fs).
         regional_storage_options: the same for the regional tier's filesystem.
@@ -67,6 +71,7 @@ class LoaderConfig(BaseModel):
     max_header_bytes: int = Field(default=HEADER_CAP_BYTES, ge=2, le=HEADER_CAP_BYTES)
     staging_bytes: PositiveInt = 64 * MiB
     verify_hits: bool = False
+    cache_write: Literal["behind", "through"] = "behind"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     regional_storage_options: dict[str, Any] = Field(default_factory=dict)
 
