@@ -17,7 +17,7 @@ import pytest
 
 from ember.loaders import LoaderConfig
 
-from harness import moto_s3
+from harness import S3Log, moto_s3
 from loaders.origins import HttpOrigin, handler_for
 
 
@@ -46,9 +46,15 @@ def config(tmp_path: Path) -> LoaderConfig:
 
 # -- S3 on loopback ------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
+def s3_log() -> S3Log:
+    """Every request the session's S3 server received (filter by the test's bucket)."""
+    return S3Log()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_log: S3Log) -> Iterator[str]:
     """moto's standalone S3 server on 127.0.0.1, one per test session."""
-    with moto_s3() as endpoint:
+    with moto_s3(s3_log) as endpoint:
         yield endpoint
 
 
