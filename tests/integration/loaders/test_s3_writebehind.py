@@ -167,7 +167,8 @@ def test_replica_load_lists_once_reads_each_byte_once_and_publishes_behind(
     published = {e.sha256 for e in node.entries()}
     assert published == {hashlib.sha256(paths[s].read_bytes()).hexdigest() for s in SHARDS}
     assert (cfg.node_root() / SNAPSHOT_DIR / f"{got.key}.json").exists()
-    assert problems == []
+    assert _published_problems(cfg.node_root()) == []
+    assert problems == []  # nor at any moment while the entries were being published
     again = snapshot_load(url, code_version="v1", config=cfg)  # the next replica: no origin
     assert again.restored and len(s3_log.for_bucket(s3.bucket)) == before + len(requests)
 
