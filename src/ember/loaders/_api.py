@@ -105,16 +105,12 @@ def _begin(
     raise SourceError("the cached blob kept disappearing", url=target.source.describe(name))
 
 
-def _file_tensors(
-    begun: Fill | _Mapped, published: list[Future[NodeHit | None]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """One file's tensors (views on the fill's buffer, or on the mapped hit); appends the
-    future of its node-cache blob to ``published``."""
+def _file_tensors(begun: Fill | _Mapped) -> Iterator[tuple[str, torch.Tensor]]:
+    """One file's tensors: views on the fill's buffer, or on the mapped hit."""
     from ember.loaders._tensors import flat_view, tensor_view
 
     if not isinstance(begun, Fill):
         yield from begun.file.tensors()
-        published.append(done(begun.hit))
         return
     flat = None
     for spec in begun.run():
@@ -122,7 +118,11 @@ def _file_tensors(
             flat = flat_view(begun.reader.buffer)
         if flat is not None:
             yield spec.name, tensor_view(flat, spec)
-    published.append(begun.published or done(begun.hit))
+
+
+def _published(files: list[Fill | _Mapped]) -> list[Future[NodeHit | None]]:
+    """Each consumed file's node-cache blob (queuing the write-behind of the fills)."""
+    return [f.publish() if isinstance(f, Fill) else done(f.hit) for f in files]
 
 
 def _check_shard(target: Target, file: str, tensor: str, seen: set[str]) -> None:
@@ -181,13 +181,15 @@ def stream_target(
     files = list(target.files)
     pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ember-range")
     begun: list[Fill | _Mapped] = []
+    consumed: list[Fill | _Mapped] = []
     try:
         for i, name in enumerate(files):
             if not begun:
                 begun.append(_begin(node, target, name, progress, pool))
             if i + 1 < len(files):  # the next file's header and buffer, while this one reads
                 begun.append(_begin(node, target, files[i + 1], progress, pool))
-            for tensor_name, tensor in _file_tensors(begun.pop(0), published):
+            consumed.append(begun.pop(0))
+            for tensor_name, tensor in _file_tensors(consumed[-1]):
                 _check_shard(target, name, tensor_name, seen)
                 yield tensor_name, copier.copy(tensor) if copier else tensor
         if target.weight_map is not None and len(seen) != len(target.weight_map):
@@ -199,6 +201,8 @@ def stream_target(
                 left.abandon()
         pool.shutdown(wait=True, cancel_futures=True)
         target.source.close()
+        # Every file read whole is published, even when a later one failed.
+        published.extend(_published([f for f in consumed if not isinstance(f, Fill) or f.read]))
 
 
 def load(

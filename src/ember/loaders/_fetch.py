@@ -15,7 +15,7 @@ from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
 from ember.loaders._tier_regional import RegionalTier
-from ember.loaders._writebehind import CacheWrite, submit
+from ember.loaders._writebehind import CacheWrite, done, submit
 
 log = logging.getLogger("ember.loaders")
 
@@ -39,7 +39,7 @@ class Fill:
         behind: publish after the load (``_writebehind``) instead of writing through.
 
     After :meth:`run` is exhausted, :attr:`hit` is the published blob (write-through), or
-    :attr:`published` will give it (write-behind).
+    :meth:`publish` queues the write and returns the future of the blob (write-behind).
     """
 
     def __init__(
@@ -57,7 +57,8 @@ class Fill:
         self.ticket = ticket
         self.progress = progress
         self.behind = behind
-        self.published: Future[NodeHit | None] | None = None
+        self._job: CacheWrite | None = None
+        self._published: Future[NodeHit | None] | None = None
         self._tmp: TempBlob | None = None
         self.regional = regional_tier(node.config)
         self.hit: NodeHit | None = None
@@ -115,6 +116,11 @@ class Fill:
             self._failed(exc)
             raise
 
+    @property
+    def read(self) -> bool:
+        """Whether :meth:`run` read and checked every byte."""
+        return self.hit is not None or self._job is not None or self._published is not None
+
     def abandon(self) -> None:
         """Give up a started fill that will not be run: no reads left, no temp file."""
         if self.reader is not None:
@@ -140,10 +146,9 @@ class Fill:
         assert reader is not None  # set by start()
         try:
             yield from reader.run()
-            if self.behind:
-                job = CacheWrite(self.node, self.key, reader.info, reader.buffer, reader.sha256,
-                                 self.ticket, self._after_publish)
-                self.published = submit(job)  # the job owns the ticket from here
+            if self.behind:  # the job owns the ticket from here
+                self._job = CacheWrite(self.node, self.key, reader.info, reader.buffer,
+                                       reader.sha256, self.ticket, self._after_publish)
                 return
             assert self._tmp is not None
             record = BlobRecord(reader.sha256, self.info.size)
@@ -153,6 +158,19 @@ class Fill:
             raise
         self.ticket.finish()
         self._after_publish(self.hit)
+
+    def publish(self) -> Future[NodeHit | None]:
+        """The published blob: queue the write-behind of a finished fill (once).
+
+        The load queues its files' writes only once it has every byte: on two cores a
+        write running beside the reads would slow them.
+        """
+        if self._job is not None:
+            job, self._job = self._job, None
+            self._published = submit(job)
+        if self._published is None:
+            self._published = done(self.hit)
+        return self._published
 
     def _after_publish(self, hit: NodeHit) -> None:
         commit = getattr(self.source, "commit", None)
