@@ -153,7 +153,14 @@ def then(
 
 
 def wait_all(timeout_s: float | None = None) -> bool:
-    """Wait for every queued cache write of this process; ``False`` if some are still running.
+    """Wait for every queued node-cache write of this process (``ember.loaders`` exports it
+    as ``wait_for_cache_writes``).
+
+    Args:
+        timeout_s: how long to wait at most; ``None`` waits until they are all done.
+
+    Returns:
+        ``False`` if some are still running at the timeout.
 
     Example:
         >>> wait_all(timeout_s=5.0)
