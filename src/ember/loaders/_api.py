@@ -90,10 +90,14 @@ class _Mapped:
 
 
 def _begin(
-    node: NodeTier, target: Target, name: str, progress: Progress | None, pool: ThreadPoolExecutor
+    node: NodeTier,
+    target: Target,
+    name: str,
+    progress: Progress | None,
+    pool: ThreadPoolExecutor,
+    behind: bool,
 ) -> Fill | _Mapped:
     """One file's node hit, mapped, or its fill with the range reads queued on ``pool``."""
-    behind = node.config.cache_write == "behind"
     for _ in range(_HIT_ATTEMPTS):
         _, outcome = obtain(node, target.source, name, progress, behind=behind)
         if isinstance(outcome, Fill):
@@ -140,7 +144,7 @@ def stream(
 
     A node-cache hit maps the blob (tensors are views on the page cache); a miss streams
     from the regional tier or the origin into memory, and the node cache is filled from
-    the same bytes (after the load with ``cache_write="behind"``, the default).
+    the same bytes (after the load returns: ``LoaderConfig.writes_behind``).
 
     Args:
         url: ``file://``, ``s3://``, ``gs://``, ``https://`` or ``hf://org/repo@rev[/file]``.
@@ -179,15 +183,16 @@ def stream_target(
     node = NodeTier(cfg)
     seen: set[str] = set()
     files = list(target.files)
+    behind = cfg.writes_behind(url)
     pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ember-range")
     begun: list[Fill | _Mapped] = []
     consumed: list[Fill | _Mapped] = []
     try:
         for i, name in enumerate(files):
             if not begun:
-                begun.append(_begin(node, target, name, progress, pool))
+                begun.append(_begin(node, target, name, progress, pool, behind))
             if i + 1 < len(files):  # the next file's header and buffer, while this one reads
-                begun.append(_begin(node, target, files[i + 1], progress, pool))
+                begun.append(_begin(node, target, files[i + 1], progress, pool, behind))
             consumed.append(begun.pop(0))
             for tensor_name, tensor in _file_tensors(consumed[-1]):
                 _check_shard(target, name, tensor_name, seen)

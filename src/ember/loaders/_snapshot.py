@@ -308,10 +308,11 @@ def _map_files(
 def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, torch.Tensor]:
     """Load through the caches (the origin included), then record what was mapped.
 
-    With ``cache_write="behind"`` the tensors are built on the bytes as they arrive and the
-    record is written once every file is published in the node cache, after the return.
+    With write-behind (:meth:`LoaderConfig.writes_behind`) the tensors are built on the
+    bytes as they arrive, and the record is written once every file is published in the
+    node cache, after the return.
     """
-    if job.cfg.cache_write == "behind":
+    if job.cfg.writes_behind(job.url):
         return _fresh_behind(job, cap, phases)
     from ember.loaders._api import resolve
 

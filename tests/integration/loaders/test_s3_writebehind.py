@@ -59,7 +59,7 @@ def _sharded(s3: Any, tmp_path: Path, prefix: str) -> tuple[str, dict[str, Path]
 
 def _behind(config: LoaderConfig, endpoint: str) -> LoaderConfig:
     return config.model_copy(update={"storage_options": s3_options(endpoint),
-                                     "cache_write": "behind"})
+                                     "cache_write": "auto"})  # behind for s3://
 
 
 def _covered_once(ranges: list[str], size: int) -> bool:
