@@ -307,6 +307,7 @@ def moto_s3(log: S3Log | None = None) -> Iterator[str]:
     server.start()
     if log is not None:  # moto keeps its WSGI app on the werkzeug server it started
         inner = server._server
+        assert inner is not None  # set by start()
         inner.app = log.wrap(inner.app)
     try:
         host, port = server.get_host_and_port()

@@ -199,7 +199,7 @@ def test_a_fill_killed_midway_leaves_no_entry(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     root = cfg.node_root()
     try:
-        assert child.stdout is not None
+        assert child.stdout is not None and child.stderr is not None
         assert child.stdout.readline().startswith("loaded"), child.stderr.read()[-2000:]
         deadline = time.monotonic() + 60
         while not any(p.stat().st_size for p in root.glob("*/blobs/.tmp-*")):
