@@ -134,6 +134,10 @@ def handle(command: dict[str, Any]) -> dict[str, Any]:
     loaded_s = time.perf_counter() - start
     touch(model)
     seconds = time.perf_counter() - start
+    if command["loader"] == "ember":  # its node-cache write must not run into the next peer
+        from ember.loaders import wait_for_cache_writes
+
+        wait_for_cache_writes()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     del model
     gc.collect()

@@ -7,7 +7,8 @@ On pytest's ``pythonpath`` (like ``support``), so every layer imports it as ``ha
   PID, stopped with SIGTERM and, if that hangs, SIGKILL of the whole session; it records the
   processes the run starts, so a test can check that none outlives it.
 * :func:`scrape` and :func:`metric`: one ``/metrics`` scrape, parsed by prometheus_client.
-* :func:`moto_s3`: moto's standalone S3 server on 127.0.0.1, and :func:`s3_options`.
+* :func:`moto_s3`: moto's standalone S3 server on 127.0.0.1, and :func:`s3_options`;
+  :class:`S3Log` records the requests it serves.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +258,46 @@ def s3_options(endpoint: str) -> dict[str, Any]:
             "skip_instance_cache": True}
 
 
+@dataclass(frozen=True)
+class S3Request:
+    """One request the S3 server received."""
+
+    method: str
+    path: str  # /bucket/key
+    query: str
+    range: str  # the Range header, or ""
+
+
+@dataclass
+class S3Log:
+    """Every request the S3 server receives, recorded before moto handles it."""
+
+    requests: list[S3Request] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wrap(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+        def logged(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+            request = S3Request(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""),
+                                environ.get("QUERY_STRING", ""), environ.get("HTTP_RANGE", ""))
+            with self.lock:
+                self.requests.append(request)
+            return app(environ, start_response)
+
+        return logged
+
+    def for_bucket(self, bucket: str) -> list[S3Request]:
+        """The requests on ``bucket`` (its objects and its listings)."""
+        with self.lock:
+            return [r for r in self.requests
+                    if r.path == f"/{bucket}" or r.path.startswith(f"/{bucket}/")]
+
+
 @contextmanager
-def moto_s3() -> Iterator[str]:
+def moto_s3(log: S3Log | None = None) -> Iterator[str]:
     """moto's standalone S3 server on 127.0.0.1; yields its endpoint URL.
 
     moto's servers in one process share their buckets: give each user a bucket of its own.
+    With ``log``, every request is recorded there.
     """
     from moto.server import ThreadedMotoServer
 
@@ -267,6 +305,10 @@ def moto_s3() -> Iterator[str]:
         os.environ.setdefault(key, value)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    if log is not None:  # moto keeps its WSGI app on the werkzeug server it started
+        inner = server._server
+        assert inner is not None  # set by start()
+        inner.app = log.wrap(inner.app)
     try:
         host, port = server.get_host_and_port()
         yield f"http://{host}:{port}"

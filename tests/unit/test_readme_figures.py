@@ -172,6 +172,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/profile_path_two_hops.json": profile_two_hops,
     "bench/results/profile_path.json": profile_edges,
     "bench/results/coldstart_sizes.short.json": coldstart_sizes,
+    "bench/results/coldstart_sizes_regional.short.json": coldstart_sizes,
     "bench/results/llm.json": llm,
     "bench/results/operator_state.json": operator_state,
 }

@@ -154,7 +154,9 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
-        blobs = snapshot_blobs(url, CODE_VERSION, cfg)
+        # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
+        mapped = got.restored or not cfg.writes_behind(url)
+        blobs = snapshot_blobs(url, CODE_VERSION, cfg) if mapped else []
         pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, blobs)
         model = build_on_meta(config_doc)  # while the pages arrive
         marks.append(time.perf_counter())

@@ -46,6 +46,7 @@ from ember.loaders._snapshot_admin import (
 from ember.loaders._staging import StagingCopier
 from ember.loaders._tier import CacheEntry
 from ember.loaders._tier_node import NodeTier
+from ember.loaders._writebehind import wait_all as wait_for_cache_writes
 
 __all__ = [
     "CacheEntry",
@@ -79,5 +80,6 @@ __all__ = [
     "snapshot_key",
     "snapshot_load",
     "stream",
+    "wait_for_cache_writes",
     "weights_bytes",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from ember.loaders._fetch import Fill, obtain, regional_tier
 from ember.loaders._reader import Progress
 from ember.loaders._resolve import Target, resolve_target
 from ember.loaders._tier_node import NodeHit, NodeTier
+from ember.loaders._writebehind import done
 
 if TYPE_CHECKING:
     import torch
@@ -79,26 +81,52 @@ def _map_hit(node: NodeTier, hit: NodeHit, cfg: LoaderConfig) -> MappedFile | No
     return mapped
 
 
-def _file_tensors(
-    node: NodeTier, target: Target, name: str, progress: Progress | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    from ember.loaders._tensors import flat_view, tensor_view
+@dataclass(frozen=True)
+class _Mapped:
+    """A node hit and its mapping."""
 
+    hit: NodeHit
+    file: MappedFile
+
+
+def _begin(
+    node: NodeTier,
+    target: Target,
+    name: str,
+    progress: Progress | None,
+    pool: ThreadPoolExecutor,
+    behind: bool,
+) -> Fill | _Mapped:
+    """One file's node hit, mapped, or its fill with the range reads queued on ``pool``."""
     for _ in range(_HIT_ATTEMPTS):
-        _, outcome = obtain(node, target.source, name, progress)
+        _, outcome = obtain(node, target.source, name, progress, behind=behind)
         if isinstance(outcome, Fill):
-            flat = None
-            for spec in outcome.run():
-                if flat is None and outcome.reader is not None:
-                    flat = flat_view(outcome.reader.buffer)
-                if flat is not None:
-                    yield spec.name, tensor_view(flat, spec)
-            return
+            outcome.start(pool)
+            return outcome
         mapped = _map_hit(node, outcome, node.config)
         if mapped is not None:
-            yield from mapped.tensors()
-            return
+            return _Mapped(outcome, mapped)
     raise SourceError("the cached blob kept disappearing", url=target.source.describe(name))
+
+
+def _file_tensors(begun: Fill | _Mapped) -> Iterator[tuple[str, torch.Tensor]]:
+    """One file's tensors: views on the fill's buffer, or on the mapped hit."""
+    from ember.loaders._tensors import flat_view, tensor_view
+
+    if not isinstance(begun, Fill):
+        yield from begun.file.tensors()
+        return
+    flat = None
+    for spec in begun.run():
+        if flat is None and begun.reader is not None:
+            flat = flat_view(begun.reader.buffer)
+        if flat is not None:
+            yield spec.name, tensor_view(flat, spec)
+
+
+def _published(files: list[Fill | _Mapped]) -> list[Future[NodeHit | None]]:
+    """Each consumed file's node-cache blob (queuing the write-behind of the fills)."""
+    return [f.publish() if isinstance(f, Fill) else done(f.hit) for f in files]
 
 
 def _check_shard(target: Target, file: str, tensor: str, seen: set[str]) -> None:
@@ -115,7 +143,8 @@ def stream(
     """Yield ``(name, tensor)`` as each tensor's bytes become available.
 
     A node-cache hit maps the blob (tensors are views on the page cache); a miss streams
-    from the regional tier or the origin, writing through to the caches.
+    from the regional tier or the origin into memory, and the node cache is filled from
+    the same bytes (after the load returns: ``LoaderConfig.writes_behind``).
 
     Args:
         url: ``file://``, ``s3://``, ``gs://``, ``https://`` or ``hf://org/repo@rev[/file]``.
@@ -137,19 +166,48 @@ def stream(
     """
     cfg = as_config(config)
     target = resolve_target(url, cfg)
-    copier = _copier(device, cfg)
+    yield from stream_target(url, target, cfg, _copier(device, cfg), progress, [])
+
+
+def stream_target(
+    url: str,
+    target: Target,
+    cfg: LoaderConfig,
+    copier: Any,
+    progress: Progress | None,
+    published: list[Future[NodeHit | None]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`stream` once the URL is resolved; ``published`` receives one future per file
+    that gives its node-cache blob (``None`` when the cache write failed). Closes the source.
+    """
     node = NodeTier(cfg)
     seen: set[str] = set()
+    files = list(target.files)
+    behind = cfg.writes_behind(url)
+    pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="ember-range")
+    begun: list[Fill | _Mapped] = []
+    consumed: list[Fill | _Mapped] = []
     try:
-        for name in target.files:
-            for tensor_name, tensor in _file_tensors(node, target, name, progress):
+        for i, name in enumerate(files):
+            if not begun:
+                begun.append(_begin(node, target, name, progress, pool, behind))
+            if i + 1 < len(files):  # the next file's header and buffer, while this one reads
+                begun.append(_begin(node, target, files[i + 1], progress, pool, behind))
+            consumed.append(begun.pop(0))
+            for tensor_name, tensor in _file_tensors(consumed[-1]):
                 _check_shard(target, name, tensor_name, seen)
                 yield tensor_name, copier.copy(tensor) if copier else tensor
         if target.weight_map is not None and len(seen) != len(target.weight_map):
             missing = sorted(set(target.weight_map) - seen)[:5]
             raise HeaderInvalid(name=url, reason=f"index lists tensors no shard has: {missing}")
     finally:
+        for left in begun:
+            if isinstance(left, Fill):
+                left.abandon()
+        pool.shutdown(wait=True, cancel_futures=True)
         target.source.close()
+        # Every file read whole is published, even when a later one failed.
+        published.extend(_published([f for f in consumed if not isinstance(f, Fill) or f.read]))
 
 
 def load(

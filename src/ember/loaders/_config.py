@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -40,6 +40,12 @@ class LoaderConfig(BaseModel):
         max_header_bytes: largest safetensors header accepted (at most 100 MB).
         staging_bytes: size of the pinned buffer used for host-to-device copies.
         verify_hits: re-hash a node-cache blob on every hit (slow, thorough).
+        cache_write: ``"behind"``: a load returns once its bytes are in memory, and the node
+            cache is filled from those bytes in the background; ``"through"``: every byte
+            is written to the node cache as it arrives and the load returns once the blob
+            is published (:func:`~ember.loaders.resolve` always works this way);
+            ``"auto"``: behind for remote origins, through for ``file://`` (see
+            :meth:`writes_behind`).
         storage_options: keyword arguments for the origin's fsspec filesystem
             (e.g. ``{"endpoint_url": ...}`` for s3fs).
         regional_storage_options: the same for the regional tier's filesystem.
@@ -67,6 +73,7 @@ class LoaderConfig(BaseModel):
     max_header_bytes: int = Field(default=HEADER_CAP_BYTES, ge=2, le=HEADER_CAP_BYTES)
     staging_bytes: PositiveInt = 64 * MiB
     verify_hits: bool = False
+    cache_write: Literal["auto", "behind", "through"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     regional_storage_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -83,6 +90,22 @@ class LoaderConfig(BaseModel):
     def node_root(self) -> Path:
         """The node cache directory this config resolves to now."""
         return (self.cache_dir or default_cache_dir()).expanduser()
+
+    def writes_behind(self, url: str) -> bool:
+        """Whether a load of ``url`` fills the node cache after it returns.
+
+        ``"auto"`` writes behind for remote origins, where waiting for a synced disk write
+        would double the network read, and through for ``file://``: there the read is the
+        disk's own, and a replica whose tensors map the node cache shares its pages with
+        the replicas that start after it (a write-behind replica keeps its own copy).
+
+        Example:
+            >>> LoaderConfig().writes_behind("s3://b/m/"), LoaderConfig().writes_behind("file:///m")
+            (True, False)
+        """
+        if self.cache_write == "auto":
+            return not url.lower().startswith("file:")
+        return self.cache_write == "behind"
 
     def regional_url(self) -> str | None:
         """The regional tier's URL, or ``None`` when there is no regional tier."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ember.errors import IntegrityError
 from ember.loaders._config import LoaderConfig
@@ -14,6 +15,7 @@ from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
 from ember.loaders._tier_regional import RegionalTier
+from ember.loaders._writebehind import CacheWrite, done, submit
 
 log = logging.getLogger("ember.loaders")
 
@@ -25,7 +27,7 @@ def regional_tier(config: LoaderConfig) -> RegionalTier | None:
 
 
 class Fill:
-    """Streams one file from the next tier into the node cache, writing through.
+    """Streams one file from the next tier into memory and into the node cache.
 
     Args:
         node: the node tier to fill.
@@ -34,8 +36,10 @@ class Fill:
         key: the blob key.
         ticket: the single-flight ticket for ``key``.
         progress: optional ``(bytes_done, bytes_total)`` callback.
+        behind: publish after the load (``_writebehind``) instead of writing through.
 
-    After :meth:`run` is exhausted, :attr:`hit` is the published blob.
+    After :meth:`run` is exhausted, :attr:`hit` is the published blob (write-through), or
+    :meth:`publish` queues the write and returns the future of the blob (write-behind).
     """
 
     def __init__(
@@ -46,10 +50,16 @@ class Fill:
         key: BlobKey,
         ticket: FillTicket,
         progress: Progress | None = None,
+        *,
+        behind: bool = False,
     ) -> None:
         self.node, self.source, self.info, self.key = node, source, info, key
         self.ticket = ticket
         self.progress = progress
+        self.behind = behind
+        self._job: CacheWrite | None = None
+        self._published: Future[NodeHit | None] | None = None
+        self._tmp: TempBlob | None = None
         self.regional = regional_tier(node.config)
         self.hit: NodeHit | None = None
         self.reader: StreamingReader | None = None
@@ -62,7 +72,11 @@ class Fill:
             if record is not None:
                 source, info = self.regional.source_for(self.key, record)
                 self._from_regional = True
-        return StreamingReader(source, info, self.node.config, progress=self.progress)
+        # Write-behind hashes in the cache write, unless there is a checksum to verify
+        # before anyone uses the tensors.
+        hash_now = not self.behind or bool(info.sha256)
+        return StreamingReader(source, info, self.node.config, progress=self.progress,
+                               hash_bytes=hash_now)
 
     def _regional_record(self, regional: RegionalTier) -> BlobRecord | None:
         try:
@@ -84,29 +98,79 @@ class Fill:
             raise RuntimeError("Fill.run() has not started")
         return self.reader.header
 
+    def start(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """Read and check the header, allocate the buffer and queue the range reads.
+
+        Raises:
+            WeightsError: as for :meth:`run` (the ticket is finished with the error).
+        """
+        if self.reader is not None:
+            return
+        try:
+            self.reader = reader = self._open_reader()
+            if not self.behind:
+                self._tmp = self.node.begin_fill(self.key, self.info.size)
+                reader.attach_sink(self._tmp.write_at)
+            reader.start(pool)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    @property
+    def read(self) -> bool:
+        """Whether :meth:`run` read and checked every byte."""
+        return self.hit is not None or self._job is not None or self._published is not None
+
+    def abandon(self) -> None:
+        """Give up a started fill that will not be run: no reads left, no temp file."""
+        if self.reader is not None:
+            self.reader.cancel()
+        self._failed(None)
+
+    def _failed(self, exc: BaseException | None) -> None:
+        if self._tmp is not None:
+            self._tmp.discard()
+        if isinstance(exc, IntegrityError) and self._from_regional and self.regional:
+            self.regional.remove(self.key.namespace, str(exc.fields.get("expected")))
+        self.ticket.finish(exc, published=False)
+
     def run(self) -> Iterator[TensorSpec]:
-        """Yield tensor specs as their bytes arrive; publish the blob at the end.
+        """Yield tensor specs as their bytes arrive; publish the blob (or queue its write).
 
         Raises:
             WeightsError: the read, the verification or the cache write failed; every
                 process waiting on this fill receives the same error.
         """
-        tmp: TempBlob | None = None
+        self.start()
+        reader = self.reader
+        assert reader is not None  # set by start()
         try:
-            self.reader = reader = self._open_reader()
-            tmp = self.node.begin_fill(self.key, self.info.size)
-            reader.attach_sink(tmp.write_at)
             yield from reader.run()
-            self.hit = self.node.commit(self.key, tmp, BlobRecord(reader.sha256, self.info.size))
+            if self.behind:  # the job owns the ticket from here
+                self._job = CacheWrite(self.node, self.key, reader.info, reader.buffer,
+                                       reader.sha256, self.ticket, self._after_publish)
+                return
+            assert self._tmp is not None
+            record = BlobRecord(reader.sha256, self.info.size)
+            self.hit = self.node.commit(self.key, self._tmp, record)
         except BaseException as exc:
-            if tmp is not None:
-                tmp.discard()
-            if isinstance(exc, IntegrityError) and self._from_regional and self.regional:
-                self.regional.remove(self.key.namespace, str(exc.fields.get("expected")))
-            self.ticket.finish(exc, published=False)
+            self._failed(exc)
             raise
         self.ticket.finish()
         self._after_publish(self.hit)
+
+    def publish(self) -> Future[NodeHit | None]:
+        """The published blob: queue the write-behind of a finished fill (once).
+
+        The load queues its files' writes only once it has every byte: on two cores a
+        write running beside the reads would slow them.
+        """
+        if self._job is not None:
+            job, self._job = self._job, None
+            self._published = submit(job)
+        if self._published is None:
+            self._published = done(self.hit)
+        return self._published
 
     def _after_publish(self, hit: NodeHit) -> None:
         commit = getattr(self.source, "commit", None)
@@ -121,7 +185,12 @@ class Fill:
 
 
 def obtain(
-    node: NodeTier, source: WeightSource, name: str, progress: Progress | None = None
+    node: NodeTier,
+    source: WeightSource,
+    name: str,
+    progress: Progress | None = None,
+    *,
+    behind: bool = False,
 ) -> tuple[BlobKey, NodeHit | Fill]:
     """The key for ``name`` and either its node hit or a :class:`Fill` the caller must run.
 
@@ -135,4 +204,4 @@ def obtain(
         if progress is not None:
             progress(info.size, info.size)
         return key, outcome
-    return key, Fill(node, source, info, key, outcome, progress)
+    return key, Fill(node, source, info, key, outcome, progress, behind=behind)

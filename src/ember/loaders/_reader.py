@@ -15,6 +15,7 @@ import mmap
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 from ember.errors import IntegrityError, ShortRead
 from ember.loaders._config import LoaderConfig
@@ -61,6 +62,20 @@ def read_header(source: WeightSource, info: ObjectInfo, cap_bytes: int) -> tuple
     return parse_header(raw, name=name, file_size=info.size), prefix + raw
 
 
+def anonymous_buffer(size: int) -> mmap.mmap:
+    """A private anonymous mapping of ``size`` bytes, its pages allocated up front.
+
+    Allocating fresh pages one fault at a time while the range reads fill them costs more
+    than asking for them all at once (``MAP_POPULATE``, Linux), which also releases the GIL.
+    """
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | populate
+    try:
+        return mmap.mmap(-1, max(size, 1), flags=flags)
+    except OSError:  # no overcommit room for a populated mapping: fault pages in lazily
+        return mmap.mmap(-1, max(size, 1))
+
+
 class StreamingReader:
     """Reads one safetensors object into an anonymous mapping.
 
@@ -70,8 +85,11 @@ class StreamingReader:
         config: range size and concurrency.
         sink: optional write-through of every byte at its offset.
         progress: optional ``(bytes_done, bytes_total)`` callback.
+        hash_bytes: hash the bytes in file order as they arrive (and check the origin's
+            checksum, when it publishes one); ``False`` leaves the hash to the cache write.
 
-    After :meth:`run` is exhausted, :attr:`sha256` holds the checksum of the bytes.
+    After :meth:`run` is exhausted, :attr:`sha256` holds the checksum of the bytes (empty
+    when ``hash_bytes`` is ``False``).
     """
 
     def __init__(
@@ -82,6 +100,7 @@ class StreamingReader:
         *,
         sink: Sink | None = None,
         progress: Progress | None = None,
+        hash_bytes: bool = True,
     ) -> None:
         self.source = source
         self.info = info
@@ -92,9 +111,12 @@ class StreamingReader:
         self.header, raw = read_header(source, info, config.max_header_bytes)
         # One buffer for the whole file; tensors are views on it. Anonymous mappings are
         # page-aligned, so every tensor offset keeps its dtype alignment.
-        self.buffer = mmap.mmap(-1, max(info.size, 1))
+        self.buffer = anonymous_buffer(info.size)
         self.buffer[: len(raw)] = raw
-        self._hasher = hashlib.sha256(raw)
+        self._hasher = hashlib.sha256(raw) if hash_bytes else None
+        self._spans: dict[Future[None], tuple[int, int]] | None = None
+        self._done: queue.SimpleQueue[Future[None]] = queue.SimpleQueue()
+        self._own_pool: ThreadPoolExecutor | None = None
         if sink is not None:
             self.attach_sink(sink)
 
@@ -114,6 +136,34 @@ class StreamingReader:
         finally:
             view.release()
 
+    def start(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """Queue every range read, on ``pool`` (shared by a load's files) or a pool of its own.
+
+        A load starts its next file before it consumes this one, so the next file's header
+        and buffer are ready, and its reads queued, when this one's last reads finish.
+        """
+        if self._spans is not None:
+            return
+        ranges = plan_ranges(self.header.data_start, self.info.size, self.config.range_bytes)
+        if pool is None:
+            workers = max(1, min(self.config.max_concurrency, len(ranges)))
+            pool = self._own_pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-range")
+        self._spans = {}
+        for start, end in ranges:
+            fut = pool.submit(self._fetch, start, end)
+            self._spans[fut] = (start, end)
+            fut.add_done_callback(self._done.put)
+
+    def cancel(self) -> None:
+        """Drop the reads not started and wait for the others (nothing writes afterwards)."""
+        if self._own_pool is not None:
+            self._own_pool.shutdown(wait=True, cancel_futures=True)
+            return
+        spans = self._spans or {}
+        for fut in spans:
+            fut.cancel()
+        wait_futures(list(spans))
+
     def run(self) -> Iterator[TensorSpec]:
         """Fetch every tensor byte; yield each tensor once its bytes have all arrived.
 
@@ -121,26 +171,19 @@ class StreamingReader:
             ShortRead, ObjectChanged, RangeNotSupported, SourceError: a read failed.
             IntegrityError: the checksum differs from the one the origin published.
         """
-        ranges = plan_ranges(self.header.data_start, self.info.size, self.config.range_bytes)
         tensors = iter(self.header.tensors)
         pending = next(tensors, None)
         cursor = self.header.data_start
         while pending is not None and pending.end <= cursor:  # zero-size tensors first
             yield pending
             pending = next(tensors, None)
-        done: queue.SimpleQueue[Future[None]] = queue.SimpleQueue()
-        workers = max(1, min(self.config.max_concurrency, len(ranges)))
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="ember-range")
+        self.start()
+        spans = dict(self._spans or {})
         try:
-            spans: dict[Future[None], tuple[int, int]] = {}
-            for start, end in ranges:
-                fut = pool.submit(self._fetch, start, end)
-                spans[fut] = (start, end)
-                fut.add_done_callback(done.put)
             arrived: dict[int, int] = {}
             received = cursor
-            for _ in ranges:
-                fut = done.get()
+            for _ in range(len(spans)):
+                fut = self._done.get()
                 fut.result()
                 start, end = spans.pop(fut)
                 arrived[start] = end
@@ -152,15 +195,16 @@ class StreamingReader:
                     yield pending
                     pending = next(tensors, None)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            self.cancel()
         self._finish(cursor)
 
     def _advance(self, cursor: int, arrived: dict[int, int]) -> int:
         # Hash in file order as the contiguous prefix grows; hashlib releases the GIL.
         while cursor in arrived:
             end = arrived.pop(cursor)
-            with memoryview(self.buffer)[cursor:end] as view:
-                self._hasher.update(view)
+            if self._hasher is not None:
+                with memoryview(self.buffer)[cursor:end] as view:
+                    self._hasher.update(view)
             cursor = end
         return cursor
 
@@ -170,6 +214,8 @@ class StreamingReader:
             raise ShortRead(url=name, start=cursor, end=self.info.size, got=0)
         # Sources without If-Match (plain fsspec) are re-checked once at the end.
         self.source.confirm(self.info)
+        if self._hasher is None:
+            return
         self.sha256 = self._hasher.hexdigest()
         expected = self.info.sha256
         if expected and expected != self.sha256:

@@ -66,9 +66,25 @@ def open_source(url: str, config: LoaderConfig) -> tuple[WeightSource, str | Non
         from ember.loaders._source_fsspec import FsspecSource
 
         base, name = _split_file(url)
+        s3 = _s3_source(base, config) if scheme in ("s3", "s3a") else None
+        if s3 is not None:
+            return s3, name
         root = base.split("://", 1)[1]
         return FsspecSource.from_url(base, root, dict(config.storage_options)), name
     raise SourceError("unsupported scheme; use file://, s3://, gs://, https:// or hf://", url=url)
+
+
+def _s3_source(base: str, config: LoaderConfig) -> WeightSource | None:
+    """botocore's client for ``s3://`` (see ``_source_s3``); ``None``: use s3fs instead."""
+    from ember.loaders._source_s3 import S3Source, client_args
+
+    options = dict(config.storage_options)
+    if client_args(options) is None:
+        return None
+    try:
+        return S3Source(base, options, max_connections=config.max_concurrency)
+    except ImportError:  # botocore comes with s3fs; without either, s3fs's error is clearer
+        return None
 
 
 def _split_file(url: str) -> tuple[str, str | None]:

@@ -54,9 +54,12 @@ from ember.loaders._lease import write_atomic
 from ember.loaders._paths import SHA256_HEX, check_relative, within
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from ember.loaders._staging import StagingCopier
+    from ember.loaders._tier_node import NodeHit
 
 log = logging.getLogger("ember.loaders")
 ConfigLike = LoaderConfig | Mapping[str, Any] | None
@@ -303,7 +306,14 @@ def _map_files(
 
 
 def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Load through the caches (the origin included), then record what was mapped."""
+    """Load through the caches (the origin included), then record what was mapped.
+
+    With write-behind (:meth:`LoaderConfig.writes_behind`) the tensors are built on the
+    bytes as they arrive, and the record is written once every file is published in the
+    node cache, after the return.
+    """
+    if job.cfg.writes_behind(job.url):
+        return _fresh_behind(job, cap, phases)
     from ember.loaders._api import resolve
 
     start = time.perf_counter()
@@ -313,20 +323,49 @@ def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, to
     named = [(f.name, blob) for f, blob in described]
     tensors = _map_files(named, weights.weight_map, job)
     phases["map"] = (mid2 := time.perf_counter()) - mid
+    _record_fresh(job, cap, weights.paths, weights.weight_map)
+    phases["record"] = time.perf_counter() - mid2
+    return tensors
+
+
+def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, torch.Tensor]:
+    from ember.loaders import _writebehind
+    from ember.loaders._api import stream_target
+    from ember.loaders._resolve import resolve_target
+
+    start = time.perf_counter()
+    target = resolve_target(job.url, job.cfg)
+    phases["resolve"] = (mid := time.perf_counter()) - start
+    published: list[Future[NodeHit | None]] = []
+    tensors = dict(stream_target(job.url, target, job.cfg, job.copier, None, published))
+    if job.copier is not None:
+        job.copier.synchronize()
+    phases["map"] = time.perf_counter() - mid
+
+    def record(hits: list[NodeHit]) -> None:
+        _record_fresh(job, cap, [h.link for h in hits], target.weight_map)
+
+    _writebehind.then(published, record)
+    return tensors
+
+
+def _record_fresh(
+    job: _Job, cap: int | None, links: Sequence[Path], weight_map: dict[str, str] | None
+) -> None:
+    """Write the record of a fresh load's node-cache links; keep their pages warm."""
+    described = [_describe(job.root, link) for link in links]
     files = tuple(f for f, _ in described)
-    versions = sorted({link.relative_to(job.root).parts[2] for link in weights.paths})
+    versions = sorted({link.relative_to(job.root).parts[2] for link in links})
     now = time.time()
     record = SnapshotRecord(
         key=job.key, url=job.url, code_version=job.code_version, revision=",".join(versions),
-        created_at=now, last_used_at=now, files=files, weight_map=weights.weight_map,
+        created_at=now, last_used_at=now, files=files, weight_map=weight_map,
         total_bytes=sum(f.size for f in files),
     )  # fmt: skip
     _write_record(job.record_path, record)
     _enforce_cap(job.record_path.parent, job.key, cap)
     for _, blob in described:
         warm_pages(blob, wait=False)
-    phases["record"] = time.perf_counter() - mid2
-    return tensors
 
 
 def _describe(root: Path, link: Path) -> tuple[SnapshotFile, Path]:

@@ -73,10 +73,16 @@ class TempBlob:
         except OSError as exc:
             raise CacheFull(size=self.size, root=self.path.parent, reason=str(exc)) from exc
 
+    def close(self) -> None:
+        """Close the file once: a second ``os.close`` could close another thread's new fd."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def discard(self) -> None:
         """Close and unlink: a failed fill leaves nothing behind."""
         with contextlib.suppress(OSError):
-            os.close(self.fd)
+            self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -176,7 +182,7 @@ class NodeTier(CacheTier):
             size = os.fstat(tmp.fd).st_size
             if size != record.size:
                 raise IntegrityError(what="size", name=key.name, expected=record.size, actual=size)
-            os.close(tmp.fd)
+            tmp.close()
             blob = tmp.path.parent / record.sha256
             os.replace(tmp.path, blob)
         except BaseException:

@@ -17,7 +17,7 @@ import pytest
 
 from ember.loaders import LoaderConfig
 
-from harness import moto_s3
+from harness import S3Log, moto_s3
 from loaders.origins import HttpOrigin, handler_for
 
 
@@ -38,14 +38,23 @@ def config(tmp_path: Path) -> LoaderConfig:
         lease_timeout_s=5.0,
         lease_heartbeat_s=0.5,
         poll_interval_s=0.02,
+        # The cache tests check the node cache right after a load returns; write-behind
+        # (the default) has its own tests, which wait for the write.
+        cache_write="through",
     )
 
 
 # -- S3 on loopback ------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
+def s3_log() -> S3Log:
+    """Every request the session's S3 server received (filter by the test's bucket)."""
+    return S3Log()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_log: S3Log) -> Iterator[str]:
     """moto's standalone S3 server on 127.0.0.1, one per test session."""
-    with moto_s3() as endpoint:
+    with moto_s3(s3_log) as endpoint:
         yield endpoint
 
 

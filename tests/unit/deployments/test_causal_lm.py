@@ -14,6 +14,7 @@ import torch
 
 from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
 from ember.errors import InsufficientMemory
+from ember.loaders import wait_for_cache_writes
 from ember.loaders.pages import evict, prefetch, resident_bytes
 
 from support import bench_module
@@ -56,10 +57,12 @@ def test_parameters_are_the_mapped_blobs_and_answer_like_from_pretrained(
 
     cache = tmp_path / "node"
     model, report = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)})
+    assert wait_for_cache_writes(timeout_s=60)  # the node cache is filled after the load
     blobs = {p.stat().st_size for p in cache.glob("*/blobs/*")}
     for name, tensor in model.state_dict().items():
         assert not tensor.is_meta, name
-        # A view on a blob's mapping, not storage of its own: nothing was copied.
+        # A view on its file's one buffer (the blob's bytes), not storage of its own:
+        # nothing was copied.
         assert tensor.untyped_storage().nbytes() in blobs, name
     assert report.weights_bytes == sum(blobs)
     reference = AutoModelForCausalLM.from_pretrained(str(tiny), local_files_only=True,

@@ -33,6 +33,9 @@ def config(tmp_path: Path) -> LoaderConfig:
         lease_timeout_s=2.0,
         lease_heartbeat_s=0.2,
         poll_interval_s=0.02,
+        # The cache tests check the node cache right after a load returns; write-behind
+        # (the default) has its own tests, which wait for the write.
+        cache_write="through",
     )
 
 

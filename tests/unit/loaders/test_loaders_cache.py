@@ -206,3 +206,29 @@ def test_stale_heartbeat_from_another_host_is_taken_over(
     taken = acquire(path, lambda: None, **_lease_args(config))
     assert isinstance(taken, Lease)
     taken.release()
+
+
+def test_a_failed_publish_closes_the_temp_file_once(
+    config: LoaderConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rename that fails after the temp file was closed must not close its fd number
+    again: by then another thread (the cache write runs in the background) may own it."""
+    from ember.loaders._tier import BlobKey, BlobRecord
+
+    node = NodeTier(config)
+    key = BlobKey("ns--x--0", "v1", "m.safetensors")
+    tmp = node.begin_fill(key, 4)
+    tmp.write_at(0, memoryview(b"abcd"))
+    reused: list[int] = []
+
+    def replace_fails(src: object, dst: object) -> None:
+        reused.append(os.open(os.devnull, os.O_RDONLY))  # takes the number just closed
+        raise OSError("the cache directory was removed")
+
+    monkeypatch.setattr(os, "replace", replace_fails)
+    with pytest.raises(OSError, match="removed"):
+        node.commit(key, tmp, BlobRecord("0" * 64, 4))
+    tmp.discard()
+    os.fstat(reused[0])  # still open: neither commit nor discard closed it a second time
+    os.close(reused[0])
+    assert not tmp.path.exists()

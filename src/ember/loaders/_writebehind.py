@@ -1,0 +1,179 @@
+"""Write-behind node-cache fills: the load returns before its bytes reach the disk.
+
+A load reads each file into one anonymous buffer and builds its tensors on it; the node
+cache is then filled from that same buffer by one background thread per process, at a
+lower CPU priority so that it yields to the loads still running. The thread writes a
+unique temp file, hashes the bytes in the same pass (and compares the origin's checksum,
+when there is one), fsyncs once and publishes by rename, then the marker and the snapshot
+link (``NodeTier.commit``). A process killed midway leaves only its temp file, which the
+next fill on the node sweeps; a reader never sees a half-written entry.
+
+The fill's single-flight ticket travels with the job: other processes on the node wait
+for the published blob rather than fetching the same bytes again, and a failed write lets
+them fetch it themselves (the loading replica already has its tensors). The worker is not
+a daemon thread, so a script's pending writes finish before the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ember.errors import IntegrityError
+from ember.loaders._flight import FillTicket
+from ember.loaders._source import ObjectInfo
+from ember.loaders._tier import BlobKey, BlobRecord
+from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
+
+log = logging.getLogger("ember.loaders")
+T = TypeVar("T")
+_CHUNK_BYTES = 8 << 20
+# Nice 10: the page copies and the hash run when the loading threads leave a core idle.
+_NICE = 10
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pending: set[Future[Any]] = set()
+
+
+@dataclass
+class CacheWrite:
+    """One file's bytes, in memory, to publish in the node cache.
+
+    Attributes:
+        node: the node tier.
+        key: the blob key.
+        info: the origin object (size; ``sha256`` when the origin publishes one).
+        buffer: the whole file, as the load read it.
+        sha256: the checksum the load computed, or ``""`` (computed here).
+        ticket: the fill's single-flight ticket, finished once the write is over.
+        after: called with the published blob (refs, the regional tier).
+    """
+
+    node: NodeTier
+    key: BlobKey
+    info: ObjectInfo
+    buffer: mmap.mmap
+    sha256: str
+    ticket: FillTicket
+    after: Callable[[NodeHit], None] | None = None
+
+
+def _lower_priority() -> None:
+    # Linux applies setpriority to one thread when given its id; elsewhere this is a no-op.
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < _NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, _NICE)
+
+
+def _submit(fn: Callable[..., T], *args: Any) -> Future[T]:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="ember-cache-write",
+                                       initializer=_lower_priority)
+        future = _pool.submit(fn, *args)
+        _pending.add(future)
+    future.add_done_callback(_forget)
+    return future
+
+
+def _forget(future: Future[Any]) -> None:
+    with _lock:
+        _pending.discard(future)
+
+
+def _copy_and_hash(job: CacheWrite, tmp: TempBlob) -> str:
+    """Write the buffer to ``tmp`` and hash it, one pass; the hex digest."""
+    hasher = None if job.sha256 else hashlib.sha256()
+    with memoryview(job.buffer) as whole:
+        for start in range(0, job.info.size, _CHUNK_BYTES):
+            with whole[start : min(start + _CHUNK_BYTES, job.info.size)] as chunk:
+                tmp.write_at(start, chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
+    return job.sha256 or (hasher.hexdigest() if hasher else "")
+
+
+def _write(job: CacheWrite) -> NodeHit | None:
+    tmp: TempBlob | None = None
+    try:
+        tmp = job.node.begin_fill(job.key, job.info.size)
+        sha = _copy_and_hash(job, tmp)
+        expected = job.info.sha256
+        if expected and expected != sha:
+            raise IntegrityError(what="sha256", name=job.key.name, expected=expected, actual=sha)
+        hit = job.node.commit(job.key, tmp, BlobRecord(sha, job.info.size))
+    except Exception as exc:  # the load has its tensors; the node fills another time
+        if tmp is not None:
+            tmp.discard()
+        log.warning("node cache write of %s failed: %s", job.key.name, exc)
+        job.ticket.finish(published=False)  # waiters fetch it themselves
+        return None
+    except BaseException:
+        if tmp is not None:
+            tmp.discard()
+        job.ticket.finish(published=False)
+        raise
+    job.ticket.finish()
+    if job.after is not None:
+        try:
+            job.after(hit)
+        except Exception as exc:  # the node copy is published; the rest is best effort
+            log.warning("after publishing %s: %s", job.key.name, exc)
+    return hit
+
+
+def submit(job: CacheWrite) -> Future[NodeHit | None]:
+    """Queue ``job``; its future gives the published blob, or ``None`` if the write failed."""
+    return _submit(_write, job)
+
+
+def then(
+    futures: Sequence[Future[NodeHit | None]], fn: Callable[[list[NodeHit]], None]
+) -> Future[None]:
+    """Run ``fn`` with every blob once all ``futures`` are published (skipped if one failed)."""
+
+    def run() -> None:
+        hits = [f.result() for f in futures]
+        published = [h for h in hits if h is not None]
+        if len(published) == len(hits):
+            fn(published)
+
+    return _submit(run)
+
+
+def wait_all(timeout_s: float | None = None) -> bool:
+    """Wait for every queued node-cache write of this process (``ember.loaders`` exports it
+    as ``wait_for_cache_writes``).
+
+    Args:
+        timeout_s: how long to wait at most; ``None`` waits until they are all done.
+
+    Returns:
+        ``False`` if some are still running at the timeout.
+
+    Example:
+        >>> wait_all(timeout_s=5.0)
+        True
+    """
+    with _lock:
+        pending = list(_pending)
+    _, not_done = wait_futures(pending, timeout=timeout_s)
+    return not not_done
+
+
+def done(value: T) -> Future[T]:
+    """A future that already holds ``value`` (a node hit needs no write)."""
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
