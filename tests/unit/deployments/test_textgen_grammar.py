@@ -208,3 +208,21 @@ def test_a_complete_grammar_finishes_the_sequence_without_an_eos() -> None:
                                                  ignore_eos=True, grammar=boolean))])
     for text, finish, _ in results:
         assert finish == "stop" and text in ("true", "false"), (text, finish)
+
+
+def test_each_of_n_choices_follows_the_schema_with_its_own_constraint() -> None:
+    backend, schema = load_backend(), grammar(PERSON)
+
+    async def choices() -> dict[int, str]:
+        engine = Engine(backend, EngineConfig(max_num_seqs=4))
+        params = SamplingParams(max_tokens=300, temperature=1.0, seed=7, grammar=schema)
+        text: dict[int, str] = {}
+        async for chunk in engine.generate(backend.encode("user: hi\n"), params, n=3):
+            text[chunk.index] = text.get(chunk.index, "") + chunk.text
+        await engine.close()
+        return text
+
+    out = asyncio.run(choices())
+    assert sorted(out) == [0, 1, 2] and len(set(out.values())) > 1  # seeded apart
+    for text in out.values():
+        jsonschema.validate(json.loads(text), PERSON)
