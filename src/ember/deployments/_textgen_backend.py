@@ -51,11 +51,18 @@ class Backend(ABC):
 
     @abstractmethod
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Fill empty ``slot`` with a prompt; the logits [V] of the token after it."""
+        """Fill empty ``slot`` with a prompt; the logits [V] of the token after it.
+
+        A backend that serves LoRA adapters also takes ``adapter=`` (a name, None: the base).
+        """
 
     @abstractmethod
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """Append one token to each of ``slots`` (always ``0..B-1``); logits [B, V]."""
+        """Append one token to each of ``slots`` (always ``0..B-1``); logits [B, V].
+
+        A backend that serves LoRA adapters also takes ``adapters=``: one name (or None)
+        per row; the engine passes it only when a row has one.
+        """
 
     @abstractmethod
     def move(self, src: int, dst: int) -> None:

@@ -141,6 +141,18 @@ def _join(chunks: list[Chunk]) -> Chunk:
                                token_ids=[t for c in chunks for t in c.token_ids])
 
 
+def _adapters(rows: list[_Seq]) -> dict[str, Any]:
+    """``adapters=`` for a decode step, only when a row has one: base-only steps call the
+    backend as before, so a backend without adapters never sees the argument."""
+    names = [s.adapter for s in rows]
+    return {"adapters": names} if any(names) else {}
+
+
+def _adapter(seq: _Seq) -> dict[str, Any]:
+    """``adapter=`` for one prefill, only when the sequence has one."""
+    return {"adapter": seq.adapter} if seq.adapter else {}
+
+
 @dataclass(eq=False)
 class _Seq:
     prompt: list[int]
@@ -157,6 +169,8 @@ class _Seq:
     finish: FinishReason | None = None
     cancelled: bool = False
     done: bool = False  # finished and told; in static mode it may still pad its batch
+    #: The LoRA adapter the sequence runs with (None: the base model).
+    adapter: str | None = None
 
     @property
     def need(self) -> Need:
@@ -204,14 +218,18 @@ class Engine:
     def slots_used(self) -> int:
         return len(self._running)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt: list[int], params: SamplingParams, *,
+                       adapter: str | None = None) -> AsyncIterator[Chunk]:
         """Stream one sequence's chunks; closing the iterator cancels the sequence.
+
+        ``adapter`` names a LoRA adapter the backend holds (the caller keeps it loaded).
 
         Raises:
             BadRequest: the prompt plus ``max_tokens`` can never fit.
             QueueFull: ``max_waiting_seqs`` requests already wait.
         """
         seq = self._submit(prompt, params)
+        seq.adapter = adapter
         try:
             while True:
                 items = [await seq.queue.get(), *_ready(seq.queue)]
@@ -302,7 +320,7 @@ class Engine:
         if decoding:
             old = self._running[:decoding]
             last = [s.tokens[-1] for s in old]
-            logits = self.backend.decode(list(range(decoding)), last)
+            logits = self.backend.decode(list(range(decoding)), last, **_adapters(old))
             # One argmax for the whole batch; only sampled rows go one by one.
             greedy = logits.argmax(dim=-1).tolist()
             for i, seq in enumerate(old):
@@ -310,7 +328,7 @@ class Engine:
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos)
         for seq in fresh:
-            logits = self.backend.prefill(seq.slot, seq.prompt)
+            logits = self.backend.prefill(seq.slot, seq.prompt, **_adapter(seq))
             seq.cached = self.backend.cached_tokens
             seq.take(sample(logits, seq.params, seq.generator), eos)
 

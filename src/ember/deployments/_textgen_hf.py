@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_lora import LoraAdapters
 from ember.deployments._textgen_prefix import PrefixCache, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
 
@@ -55,6 +56,8 @@ class TransformersBackend(Backend):
         self.table: SlotTable | None = None
         #: Prompt blocks already computed (None: every prompt is computed in full).
         self.prefix = PrefixCache(max_blocks=prefix_blocks) if prefix_blocks else None
+        #: LoRA adapters rows may name (``_textgen_lora``); every row is the base without.
+        self.lora = LoraAdapters(self.model, base_name=str(model.config.name_or_path))
 
     @classmethod
     def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:
@@ -81,31 +84,42 @@ class TransformersBackend(Backend):
     def detokenizer(self) -> Detokenizer:
         return _TextDiffDetokenizer(self.tokenizer)
 
+    def _forward(self, adapters: list[str | None], **inputs: Any) -> Any:
+        """The model's forward, each row with its adapter (None: the base)."""
+        with self.lora.lock:  # an adapter being added or evicted changes the modules
+            model, extra = self.lora.model_and_kwargs(adapters)
+            return model(**inputs, **extra)
+
     @torch.inference_mode()
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
+    def prefill(self, slot: int, tokens: list[int], *, adapter: str | None = None
+                ) -> torch.Tensor:
         cache = DynamicCache()
-        hits = self.prefix.match(tokens) if self.prefix is not None else []
+        # The prefix cache holds the base's keys/values: an adapter's differ.
+        prefix = self.prefix if adapter is None else None
+        hits = prefix.match(tokens) if prefix is not None else []
         for layer in range(self.n_layers if hits else 0):  # start from the cached prefix
             cache.update(*joined(hits, layer), layer)
-        done = len(hits) * (self.prefix.block_tokens if self.prefix is not None else 0)
+        done = len(hits) * (prefix.block_tokens if prefix is not None else 0)
         self.cached_tokens = done
-        out = self.model(input_ids=torch.tensor([tokens[done:]]), use_cache=True,
-                         **{self._cache_kw: cache}, **self._last_only)
+        out = self._forward([adapter], input_ids=torch.tensor([tokens[done:]]), use_cache=True,
+                            **{self._cache_kw: cache}, **self._last_only)
         layers: list[Any] = list(cache.layers[:self.n_layers])
         keys, values = [la.keys for la in layers], [la.values for la in layers]
         self._table().place(slot, keys, values)
-        if self.prefix is not None:
-            self.prefix.insert(tokens, keys, values)
+        if prefix is not None:
+            prefix.insert(tokens, keys, values)
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+    def decode(self, slots: list[int], tokens: list[int], *,
+               adapters: list[str | None] | None = None) -> torch.Tensor:
         table, rows = self._table(), len(slots)
         mask = table.begin_decode(rows)
-        out = self.model(input_ids=torch.tensor(tokens).unsqueeze(1),
-                         position_ids=table.positions(rows), attention_mask=mask,
-                         use_cache=True, **{self._cache_kw: slot_cache(table)})
+        out = self._forward(adapters or [None] * rows,
+                            input_ids=torch.tensor(tokens).unsqueeze(1),
+                            position_ids=table.positions(rows), attention_mask=mask,
+                            use_cache=True, **{self._cache_kw: slot_cache(table)})
         table.end_decode(rows)
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits
