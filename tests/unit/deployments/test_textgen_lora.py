@@ -181,3 +181,82 @@ def test_a_failed_load_evicts_nothing() -> None:
     with pytest.raises(BadRequest):
         store.acquire("bad")
     assert store.names() == ["a"]
+
+
+def _client(dirs: dict[str, Path], **adapters: str) -> tuple[Any, Any, Any]:
+    """The OpenAI routes over a generator with ``adapters`` (name to directory), in-process."""
+    import httpx
+    import openai
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
+
+    from ember.deployments.textgen import Generator
+    from ember.edge._asgi import install_error_handlers
+    from ember.protocols import OpenAIGeneration
+
+    class Gateway:
+        registry = CollectorRegistry()
+        model_ids: list[str | None] = []
+
+        async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+            raise AssertionError("generation streams; it never calls")
+
+        async def stream(self, deployment: str, attr: str, body: Any, request_id: str, *,
+                         model_id: str | None = None) -> Any:
+            self.model_ids.append(model_id)
+            async for chunk in generator.stream(body):
+                yield chunk
+
+        def ready(self) -> bool:
+            return True
+
+    backend = _hf.TransformersBackend.from_directory(dirs["base"])
+    generator = Generator(backend, EngineConfig(max_num_seqs=4), max_adapters=2,
+                          adapters={n: dirs[d].as_uri() for n, d in adapters.items()})
+    gateway, api = Gateway(), FastAPI()
+    install_error_handlers(api, lambda path, reason: None)
+    OpenAIGeneration(deployment="TextGen", attr="generate", model="base",
+                     adapters=(*adapters, "ghost")).install(api, gateway)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://t")
+    client = openai.AsyncOpenAI(api_key="none", base_url="http://t/v1",
+                                http_client=http)  # type: ignore[arg-type]
+    return client, gateway, generator
+
+
+def test_the_openai_routes_serve_adapters_and_refuse_unknown_and_misfit_ones(
+        dirs: dict[str, Path]) -> None:
+    import openai
+    from prometheus_client import generate_latest
+
+    client, gateway, generator = _client(dirs, sql="a", chat="b", wrong="other")
+
+    async def text(model: str) -> str:
+        reply = await client.completions.create(model=model, prompt="hello", max_tokens=6,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        assert reply.model == model
+        return str(reply.choices[0].text)
+
+    async def scenario() -> None:
+        listed = await client.models.list()
+        parents = {m.id: getattr(m, "parent", None) for m in listed.data}
+        assert parents == {"base": None, "sql": "base", "chat": "base", "wrong": "base",
+                           "ghost": "base"}
+        got = {m: await text(m) for m in ("sql", "chat", "base")}
+        decode = generator.backend.tokenizer.decode
+        want = {m: decode(_reference(dirs, a, "hello", 6), skip_special_tokens=True)
+                for m, a in (("sql", "a"), ("chat", "b"), ("base", None))}
+        assert got == want
+        assert gateway.model_ids == ["sql", "chat", None]  # routed by adapter, base not
+        with pytest.raises(openai.NotFoundError, match="nowhere"):
+            await text("nowhere")
+        with pytest.raises(openai.NotFoundError, match="ghost"):  # listed at the edge only
+            await text("ghost")
+        with pytest.raises(openai.BadRequestError, match="does not fit the base"):
+            await text("wrong")
+        assert generator.store.names() == ["sql", "chat"]  # the misfit evicted nothing
+
+    asyncio.run(scenario())
+    metrics = generate_latest(gateway.registry).decode()
+    for model in ("sql", "chat"):
+        assert f'ember_lora_adapter_load_seconds_count{{model="{model}"}} 1.0' in metrics
+    assert 'ember_lora_adapter_load_seconds_count{model="wrong"}' not in metrics
