@@ -9,88 +9,34 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_lora import AdapterStore, fetch
 from ember.deployments._textgen_sampling import SamplingParams
 from ember.errors import BadRequest
 
+import lora_models
+
 # Importing transformers and peft takes a few seconds.
 pytestmark = pytest.mark.slow
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
-peft = pytest.importorskip("peft")
+pytest.importorskip("tokenizers")
+pytest.importorskip("peft")
 _hf = pytest.importorskip("ember.deployments._textgen_hf")
 
 PROMPTS = ["hello", "a", "the end of the line", "xyz", "0123456789 abcdefghij", "Qq"]
 LENGTHS = [7, 12, 3, 9, 15, 5]
 
 
-def _tokenizer() -> Any:
-    """One token per printable character, an end-of-sequence token at 127."""
-    vocab = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-
-
-def _llama(hidden: int = 64) -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=128, bos_token_id=None, eos_token_id=127, hidden_size=hidden,
-        intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
-    return transformers.AutoModelForCausalLM.from_config(config)
-
-
-def _adapter(base: Any, path: Path, seed: int, targets: list[str]) -> Path:
-    """A LoRA adapter with random non-zero A and B, saved as peft saves one."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets,
-                             init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # wide enough that the adapter changes the greedy tokens
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The base model directory and three adapters: two over it, one over another base."""
-    root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    _llama().save_pretrained(root / "base")
-    _tokenizer().save_pretrained(root / "base")
-    load = transformers.AutoModelForCausalLM.from_pretrained
-    return {
-        "base": root / "base",
-        "a": _adapter(load(root / "base"), root / "a", 1, ["q_proj", "v_proj"]),
-        "b": _adapter(load(root / "base"), root / "b", 2,
-                      ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"]),
-        "other": _adapter(_llama(hidden=32), root / "other", 3, ["q_proj", "v_proj"]),
-    }
+    return lora_models.model_dirs(tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(autouse=True)
 def _node_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("EMBER_REGIONAL_CACHE", raising=False)
-
-
-def _reference(dirs: dict[str, Path], adapter: str | None, prompt: str, n: int) -> list[int]:
-    """Greedy tokens of ``generate()``: the base's, or peft's over it with ``adapter``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(dirs["base"]).eval()
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, dirs[adapter]).eval()
-    ids = torch.tensor([[ord(c) for c in prompt]])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                         min_new_tokens=n, do_sample=False, pad_token_id=127)
-    return [int(t) for t in out[0, ids.shape[1]:]]
 
 
 def _backend(dirs: dict[str, Path], *adapters: str) -> Any:
@@ -122,10 +68,10 @@ def test_one_adapter_alone_equals_peft_generate(dirs: dict[str, Path]) -> None:
     rows: list[tuple[str | None, str, int]] = [
         ("a", p, n) for p, n in zip(PROMPTS[:3], LENGTHS[:3], strict=True)]
     got = asyncio.run(_run(_backend(dirs, "a"), rows))
-    want = [_reference(dirs, "a", p, n) for _, p, n in rows]
+    want = [lora_models.reference(dirs, "a", p, n) for _, p, n in rows]
     assert got == want
     # and the adapter matters: the base's tokens differ
-    assert want != [_reference(dirs, None, p, n) for _, p, n in rows]
+    assert want != [lora_models.reference(dirs, None, p, n) for _, p, n in rows]
 
 
 def test_base_and_two_adapters_in_one_batch_equal_peft_generate(dirs: dict[str, Path]) -> None:
@@ -135,7 +81,7 @@ def test_base_and_two_adapters_in_one_batch_equal_peft_generate(dirs: dict[str, 
     rows = list(zip(kinds, PROMPTS, LENGTHS, strict=True))
     backend = _backend(dirs, "a", "b")
     got = asyncio.run(_run(backend, rows))
-    assert got == [_reference(dirs, k, p, n) for k, p, n in rows]
+    assert got == [lora_models.reference(dirs, k, p, n) for k, p, n in rows]
     # the base rows never took or left prefix blocks computed under an adapter
     assert backend.prefix.queried_tokens == sum(len(p) for k, p, _ in rows if k is None)
 
@@ -243,7 +189,7 @@ def test_the_openai_routes_serve_adapters_and_refuse_unknown_and_misfit_ones(
                            "ghost": "base"}
         got = {m: await text(m) for m in ("sql", "chat", "base")}
         decode = generator.backend.tokenizer.decode
-        want = {m: decode(_reference(dirs, a, "hello", 6), skip_special_tokens=True)
+        want = {m: decode(lora_models.reference(dirs, a, "hello", 6), skip_special_tokens=True)
                 for m, a in (("sql", "a"), ("chat", "b"), ("base", None))}
         assert got == want
         assert gateway.model_ids == ["sql", "chat", None]  # routed by adapter, base not
