@@ -86,8 +86,9 @@ class TransformersBackend(Backend):
 
     def _forward(self, adapters: list[str | None], **inputs: Any) -> Any:
         """The model's forward, each row with its adapter (None: the base)."""
-        with self.lora.lock:  # an adapter being added or evicted changes the modules
-            model, extra = self.lora.model_and_kwargs(adapters)
+        # Held for the step: an adapter being added or evicted changes the modules.
+        with self.lora.lock:
+            model, extra = self.lora.rows(adapters)
             return model(**inputs, **extra)
 
     @torch.inference_mode()

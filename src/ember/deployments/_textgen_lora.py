@@ -40,6 +40,7 @@ T = TypeVar("T")
 
 #: The name peft's mixed-batch forward gives rows that use no adapter.
 BASE = "__base__"
+_UNKNOWN = "\0unknown"  # never an adapter's name
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
@@ -169,6 +170,8 @@ class LoraAdapters:
     def __init__(self, model: torch.nn.Module, *, base_name: str = "base") -> None:
         self.base, self.base_name = model, base_name
         self.peft: Any = None  # a PeftModel once the first adapter is in
+        #: What the LoRA layers are set for now (see ``rows``); unknown after a change.
+        self._layers: str | None = _UNKNOWN
         #: Held while the model runs or changes: adding an adapter changes its modules.
         self.lock = threading.Lock()
 
@@ -197,6 +200,7 @@ class LoraAdapters:
             result: Any = set_peft_model_state_dict(self.peft, files.tensors,
                                                     adapter_name=name)
             self.peft.eval()
+            self._layers = _UNKNOWN
         missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(name)]
         if missing:
             self.remove(name)
@@ -206,13 +210,34 @@ class LoraAdapters:
         with self.lock:
             if self.peft is not None and name in self.peft.peft_config:
                 self.peft.delete_adapter(name)
+                self._layers = _UNKNOWN
 
-    def model_and_kwargs(self, adapters: list[str | None]) -> tuple[Any, dict[str, Any]]:
-        """What to call for rows naming ``adapters`` (None: the base), and its extra kwargs.
+    def rows(self, adapters: list[str | None]) -> tuple[Any, dict[str, Any]]:
+        """The model to call for rows naming ``adapters`` (None: the base), its extra kwargs.
 
-        Once an adapter is in, every call goes through peft with one name per row: peft's
-        layers would otherwise add the active adapter to base rows too.
+        A step whose rows are all the base runs with the adapters' layers switched off
+        (peft's layers would otherwise add the active adapter); one whose rows all name one
+        adapter runs peft's plain path with it active; only a step that mixes runs peft's
+        mixed-batch forward, one name per row, which costs more per layer. The layers'
+        state changes only when the kind of step does: switching walks every module.
         """
+        kinds = set(adapters)
         if self.peft is None:
             return self.base, {}
+        self._state(None if kinds == {None} else adapters[0] if len(kinds) == 1 else BASE)
+        if len(kinds) == 1:
+            return self.peft, {}
         return self.peft, {"adapter_names": [a or BASE for a in adapters]}
+
+    def _state(self, want: str | None) -> None:
+        """Layers off (None), on with adapter ``want`` active, or on for a mixed step (BASE)."""
+        if want == self._layers:
+            return
+        if want is None:
+            self.peft.base_model.disable_adapter_layers()
+        else:
+            if self._layers is None or self._layers == _UNKNOWN:
+                self.peft.base_model.enable_adapter_layers()
+            if want != BASE and self.peft.active_adapter != want:
+                self.peft.set_adapter(want)
+        self._layers = want
