@@ -193,24 +193,31 @@ class LoraAdapters:
         config = LoraConfig(**{k: v for k, v in files.config.items() if k in known})
         config.inference_mode = True
         with self.lock:
+            self._layers = _UNKNOWN
             if self.peft is None:
                 self.peft = PeftModel(self.base, config, adapter_name=name)
             else:
                 self.peft.add_adapter(name, config)
-            result: Any = set_peft_model_state_dict(self.peft, files.tensors,
-                                                    adapter_name=name)
+            try:
+                result: Any = set_peft_model_state_dict(self.peft, files.tensors,
+                                                        adapter_name=name)
+                missing = [k for k in result.missing_keys if f".{name}." in k]
+                if missing:
+                    raise BadRequest(f"adapter '{name}' lacks weights: {missing[:3]}",
+                                     param="model")
+            except Exception:
+                self._delete(name)  # a half-added adapter must not stay in the model
+                raise
             self.peft.eval()
-            self._layers = _UNKNOWN
-        missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(name)]
-        if missing:
-            self.remove(name)
-            raise BadRequest(f"adapter '{name}' lacks weights: {missing[:3]}", param="model")
 
     def remove(self, name: str) -> None:
         with self.lock:
-            if self.peft is not None and name in self.peft.peft_config:
-                self.peft.delete_adapter(name)
-                self._layers = _UNKNOWN
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        if self.peft is not None and name in self.peft.peft_config:
+            self.peft.delete_adapter(name)
+            self._layers = _UNKNOWN
 
     def rows(self, adapters: list[str | None]) -> tuple[Any, dict[str, Any]]:
         """The model to call for rows naming ``adapters`` (None: the base), its extra kwargs.

@@ -92,6 +92,12 @@ def test_an_adapter_for_another_base_is_refused_with_400(dirs: dict[str, Path]) 
         backend.lora.check("other", fetch(dirs["other"].as_uri()))
     assert err.value.status_code == 400
     assert list(backend.lora.peft.peft_config) == ["a"]
+    # Past the check (as a later peft might fail), a failed add leaves nothing behind.
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        backend.lora.add("other", fetch(dirs["other"].as_uri()))
+    assert list(backend.lora.peft.peft_config) == ["a"]
+    assert asyncio.run(_run(backend, [("a", "hello", 5)])) == [
+        lora_models.reference(dirs, "a", "hello", 5)]
 
 
 def test_the_lru_never_evicts_an_adapter_a_request_holds() -> None:
