@@ -204,7 +204,9 @@ class TextGen:
     @ember.route("/generate")
     async def generate(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         if body.adapter is not None:
-            await self.adapter_id(body.adapter)
+            # What Serve routed the request by (the edge sets it for an adapter); a call of
+            # the native route that names an adapter in its body has none.
+            await self.adapter_id(serve.get_multiplexed_model_id() or body.adapter)
         async for chunk in self.generator.stream(body):
             yield chunk
 
