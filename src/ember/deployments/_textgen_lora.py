@@ -62,7 +62,8 @@ class AdapterStore(Generic[T]):
         self.max_adapters = max_adapters
         self._load, self._unload = load, unload
         self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._loading = threading.Lock()
         #: Seconds the last cold load of each adapter took (for the cold-start phases).
         self.load_s: dict[str, float] = {}
 
@@ -79,18 +80,29 @@ class AdapterStore(Generic[T]):
         Raises:
             whatever ``load`` raises: nothing was evicted then.
         """
+        held = self._hold_loaded(name)
+        if held is not None:
+            return held, None
+        with self._loading:  # one load at a time; holds and releases never wait for it
+            held = self._hold_loaded(name)  # loaded while this request waited
+            if held is not None:
+                return held, None
+            started = time.monotonic()
+            value = self._load(name)
+            cold = self.load_s[name] = time.monotonic() - started
+            with self._lock:
+                self._entries[name] = _Entry(value, holds=1)
+                self._evict()
+            return value, cold
+
+    def _hold_loaded(self, name: str) -> T | None:
         with self._lock:
             entry = self._entries.get(name)
-            cold: float | None = None
             if entry is None:
-                started = time.monotonic()
-                entry = _Entry(self._load(name))
-                cold = self.load_s[name] = time.monotonic() - started
-                self._entries[name] = entry
+                return None
             self._entries.move_to_end(name)
             entry.holds += 1
-            self._evict()
-            return entry.value, cold
+            return entry.value
 
     def release(self, name: str) -> None:
         """Let go of one hold on ``name``; an over-full store evicts now."""

@@ -5,6 +5,7 @@ evicts an adapter a request holds, and an adapter for another base is refused un
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,30 @@ def test_the_openai_routes_serve_adapters_and_refuse_unknown_and_misfit_ones(
     for model in ("sql", "chat"):
         assert f'ember_lora_adapter_load_seconds_count{{model="{model}"}} 1.0' in metrics
     assert 'ember_lora_adapter_load_seconds_count{model="wrong"}' not in metrics
+
+
+def test_a_cold_load_never_holds_up_a_request_for_a_loaded_adapter() -> None:
+    started, slow = threading.Event(), threading.Event()
+
+    def load(name: str) -> str:
+        if name == "slow":
+            started.set()
+            assert slow.wait(60)
+        return name
+
+    store = AdapterStore(2, load=load, unload=lambda n, _: None)
+    store.acquire("a")
+    store.release("a")
+    loading = threading.Thread(target=store.acquire, args=("slow",))
+    loading.start()
+    got: list[tuple[str, float | None]] = []
+    try:
+        assert started.wait(30)
+        warm = threading.Thread(target=lambda: got.append(store.acquire("a")))
+        warm.start()
+        warm.join(10)  # generous: it waits for nothing
+        assert got == [("a", None)]  # while "slow" is still loading
+    finally:
+        slow.set()
+        loading.join(60)
+    assert store.names() == ["a", "slow"]
