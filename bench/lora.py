@@ -13,9 +13,10 @@ torch thread, as a ``num_cpus=1`` replica. 16 closed-loop clients send the same 
 * ``mixed``: requests cycle base, a1, a2, a3: each decode step mixes four kinds of rows,
   run in one forward (peft's mixed-batch ``adapter_names``).
 
-Then a forward-level comparison of the two ways to run a mixed batch: one forward with
-``adapter_names`` (what the engine does) against one forward per adapter group with that
-adapter active (``set_adapter``), 16 rows of 64 tokens in four groups.
+Then a forward-level comparison of the two ways to run a mixed batch: one forward with an
+adapter name per row (what the engine does: peft's mixed-batch layers) against one forward
+per adapter group with that adapter active (``set_adapter``), 16 rows of 64 tokens in four
+groups.
 
 Usage:
     .venv/bin/python bench/lora.py [--short] [--requests 48] [--rounds 3]
@@ -116,8 +117,9 @@ def forward_ways(repeats: int) -> dict[str, float]:
     names = [(None, *ADAPTERS)[i % 4] or "__base__" for i in range(16)]
     groups = {n: [i for i, m in enumerate(names) if m == n] for n in dict.fromkeys(names)}
 
-    def mixed() -> None:
-        peft_model(input_ids=ids, adapter_names=names)
+    def mixed() -> None:  # as the engine runs a mixed step
+        with model.lora.rows([None if n == "__base__" else n for n in names]) as m:
+            m(input_ids=ids)
 
     def grouped() -> None:
         for name, rows in groups.items():

@@ -87,9 +87,8 @@ class TransformersBackend(Backend):
     def _forward(self, adapters: list[str | None], **inputs: Any) -> Any:
         """The model's forward, each row with its adapter (None: the base)."""
         # Held for the step: an adapter being added or evicted changes the modules.
-        with self.lora.lock:
-            model, extra = self.lora.rows(adapters)
-            return model(**inputs, **extra)
+        with self.lora.lock, self.lora.rows(adapters) as model:
+            return model(**inputs)
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int], *, adapter: str | None = None

@@ -184,6 +184,8 @@ class LoraAdapters:
         self.peft: Any = None  # a PeftModel once the first adapter is in
         #: What the LoRA layers are set for now (see ``rows``); unknown after a change.
         self._layers: str | None = _UNKNOWN
+        #: A mixed step's adapter name per row, while it runs (see ``rows``).
+        self._names: list[str] | None = None
         #: Held while the model runs or changes: adding an adapter changes its modules.
         self.lock = threading.Lock()
 
@@ -191,6 +193,9 @@ class LoraAdapters:
         """Raise 400 if ``files`` do not fit the base (nothing is loaded or evicted)."""
         if str(files.config.get("peft_type", "LORA")).upper() != "LORA":
             raise BadRequest(f"adapter '{name}' is not a LoRA adapter", param="model")
+        if files.config.get("modules_to_save"):
+            raise BadRequest(f"adapter '{name}' replaces whole modules (modules_to_save): "
+                             "only LoRA matrices are served", param="model")
         problems = mismatches(self.base, files.tensors)
         if problems:
             raise BadRequest(f"adapter '{name}' does not fit the base model "
@@ -221,6 +226,7 @@ class LoraAdapters:
                 self._delete(name)  # a half-added adapter must not stay in the model
                 raise
             self.peft.eval()
+            self._hook_layers()
 
     def remove(self, name: str) -> None:
         with self.lock:
@@ -231,22 +237,43 @@ class LoraAdapters:
             self.peft.delete_adapter(name)
             self._layers = _UNKNOWN
 
-    def rows(self, adapters: list[str | None]) -> tuple[Any, dict[str, Any]]:
-        """The model to call for rows naming ``adapters`` (None: the base), its extra kwargs.
+    @contextlib.contextmanager
+    def rows(self, adapters: list[str | None]) -> Iterator[Any]:
+        """The model to call (for the block) for rows naming ``adapters`` (None: the base).
 
         A step whose rows are all the base runs with the adapters' layers switched off
         (peft's layers would otherwise add the active adapter); one whose rows all name one
-        adapter runs peft's plain path with it active; only a step that mixes runs peft's
-        mixed-batch forward, one name per row, which costs more per layer. The layers'
-        state changes only when the kind of step does: switching walks every module.
+        adapter runs peft's plain path with it active; only a step that mixes hands every
+        LoRA layer one adapter name per row (peft's mixed-batch forward, which costs more
+        per layer). The layers' state changes only when the kind of step does (switching
+        walks every module), and the names reach the layers through hooks registered once
+        (peft's own ``adapter_names`` argument registers and removes a hook on every layer
+        at every call).
         """
         kinds = set(adapters)
-        if self.peft is None:
-            return self.base, {}
-        self._state(None if kinds == {None} else adapters[0] if len(kinds) == 1 else BASE)
-        if len(kinds) == 1:
-            return self.peft, {}
-        return self.peft, {"adapter_names": [a or BASE for a in adapters]}
+        if self.peft is not None:
+            self._state(None if kinds == {None} else adapters[0] if len(kinds) == 1 else BASE)
+        if len(kinds) > 1:
+            self._names = [a or BASE for a in adapters]
+        try:
+            yield self.base
+        finally:
+            self._names = None
+
+    def _hook_layers(self) -> None:
+        """Give every LoRA layer not yet seen the hook that passes a mixed step's names."""
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.base.modules():
+            if isinstance(module, LoraLayer) and not getattr(module, "_ember_rows", False):
+                module.register_forward_pre_hook(self._pass_names, with_kwargs=True)
+                module._ember_rows = True  # type: ignore[assignment]  # plain attribute
+
+    def _pass_names(self, module: torch.nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._names is not None:
+            kwargs["adapter_names"] = self._names
+        return args, kwargs
 
     def _state(self, want: str | None) -> None:
         """Layers off (None), on with adapter ``want`` active, or on for a mixed step (BASE)."""
