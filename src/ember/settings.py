@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ember.errors import ConfigError
 
@@ -64,6 +65,13 @@ class Settings(BaseSettings):
         None, description="the textgen app's model: a transformers directory or hf://org/name "
         "from the local cache; unset: the shipped TinyLM",
     )
+    textgen_adapters: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict, description="LoRA adapters over the textgen model: name=url "
+        "pairs, comma-separated (any ember.loaders URL of a peft adapter folder)",
+    )
+    textgen_max_adapters: int = Field(
+        4, ge=1, description="LoRA adapters one textgen replica keeps loaded (LRU)"
+    )
     # -- who may call ------------------------------------------------------------------------
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")
@@ -96,6 +104,18 @@ class Settings(BaseSettings):
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where models run"
     )
+
+    @field_validator("textgen_adapters", mode="before")
+    @classmethod
+    def _name_url_pairs(cls, value: Any) -> Any:
+        """``a=file:///x,b=s3://y`` as ``{"a": "file:///x", "b": "s3://y"}``."""
+        if not isinstance(value, str):
+            return value
+        pairs = [p.strip() for p in value.split(",") if p.strip()]
+        bad = [p for p in pairs if "=" not in p or not p.partition("=")[0].strip()]
+        if bad:
+            raise ValueError(f"expected name=url pairs, got {bad[0]!r}")
+        return {n.strip(): u.strip() for n, _, u in (p.partition("=") for p in pairs)}
 
 
 def variable(field: str) -> str:

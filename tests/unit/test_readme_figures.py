@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import pytest
@@ -142,16 +143,35 @@ def coldstart_sizes(doc: dict[str, Any]) -> Cells:
 
 
 def llm(doc: dict[str, Any]) -> Cells:
-    """``bench/llm.py``: prefix-cache hit vs miss, and continuous vs static batching at c=16."""
+    """``bench/llm.py``: prefix-cache hit vs miss, continuous vs static batching at c=16,
+    structured output's cost and the HTTP path against the engine in-process."""
     prefix, c16 = doc["prefix"], doc["c16"]
     hit = "time to first token, 1,000-token prefix: hit / miss"
     tps = "tokens/s at c=16: Ember / `generate()` static batches"
-    return {(hit, "Ember"): f"{prefix['hit_ttft_s']:.2f} s",
-            (hit, "peer"): f"{prefix['miss_ttft_s']:.1f} s",
-            (hit, "ratio (median of rounds)"): f"{prefix['hit_over_miss']['median']:.3f}x",
-            (tps, "Ember"): f"{c16['continuous_tps']:.1f}",
-            (tps, "peer"): f"{c16['static_tps']:.1f}",
-            (tps, "ratio (median of rounds)"): f"{c16['ratio']['median']:.2f}x"}
+    ratio = "ratio (median of rounds)"
+    cells = {(hit, "Ember"): f"{prefix['hit_ttft_s']:.2f} s",
+             (hit, "peer"): f"{prefix['miss_ttft_s']:.1f} s",
+             (hit, ratio): f"{prefix['hit_over_miss']['median']:.3f}x",
+             (tps, "Ember"): f"{c16['continuous_tps']:.1f}",
+             (tps, "peer"): f"{c16['static_tps']:.1f}",
+             (tps, ratio): f"{c16['ratio']['median']:.2f}x"}
+    if doc.get("structured"):
+        runs = doc["structured"]["runs"]
+        row = "tokens/s at c=16: with a JSON schema / without"
+        cells |= {(row, "Ember"): f"{median(r['tokens_per_s'] for r in runs['structured']):.1f}",
+                  (row, "peer"): f"{median(r['tokens_per_s'] for r in runs['plain']):.1f}",
+                  (row, ratio): f"{doc['structured_ratio']:.2f}x"}
+    if doc.get("http"):
+        web = doc["http"]
+        row = "tokens/s at c=16: over HTTP / the engine in-process"
+        ttft = "TTFT at c=1: over HTTP / in-process"
+        cells |= {(row, "Ember"): f"{web['http_tps']:.1f}",
+                  (row, "peer"): f"{web['inprocess_tps']:.1f}",
+                  (row, ratio): f"{web['http_over_inprocess_tps']['median']:.2f}x",
+                  (ttft, "Ember"): f"{web['ttft_c1_ms']['http']:.0f} ms",
+                  (ttft, "peer"): f"{web['ttft_c1_ms']['inprocess']:.0f} ms",
+                  (ttft, ratio): f"{web['ttft_added_ms_c1']:+.1f} ms added"}
+    return cells
 
 
 def operator_state(doc: dict[str, Any]) -> Cells:

@@ -28,8 +28,11 @@ class Gateway(TypingProtocol):
 
     async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any: ...
 
-    def stream(self, deployment: str, attr: str, body: Any,
-               request_id: str) -> AsyncIterator[Any]: ...
+    def stream(self, deployment: str, attr: str, body: Any, request_id: str, *,
+               model_id: str | None = None) -> AsyncIterator[Any]:
+        """``model_id``: Ray Serve's multiplexed model id (a LoRA adapter's name), so the
+        request goes to a replica that holds that model when one does."""
+        ...
 
     @property
     def registry(self) -> CollectorRegistry: ...

@@ -15,6 +15,9 @@ in the ``X-Ember-Cold-Start`` header (milliseconds)::
 * ``warmup``: its ``warmup()``, run before the replica reports ready;
 * ``device``: only for a GPU deployment served by the GPU pool, the move of its model from
   pinned host memory to the device (``device_snapshot.py``); absent when nothing moved;
+* ``adapter``: only for a generation request naming a LoRA adapter its replica had not
+  loaded, the adapter's load (fetch, check, put into the model); a request that met only
+  that has ``path=adapter`` (``ember.edge._asgi.note_adapter_load``);
 * ``path``: ``replica`` (the deployment's own replica started), ``pool`` (a pre-warmed
   pool replica built the model for it while the deployment's own replica started) or
   ``pool-warm``: the pool already held the constructed model (``preload=True``, or built

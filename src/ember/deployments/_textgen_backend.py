@@ -51,24 +51,34 @@ class Backend(ABC):
 
     @abstractmethod
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Fill empty ``slot`` with a prompt; the logits [V] of the token after it."""
+        """Fill empty ``slot`` with a prompt; the logits [V] of the token after it.
 
-    def prefill_many(self, slots: list[int],
-                     prompts: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+        A backend that serves LoRA adapters also takes ``adapter=`` (a name, None: the base).
+        """
+
+    def prefill_many(self, slots: list[int], prompts: list[list[int]], *,
+                     adapters: list[str | None] | None = None
+                     ) -> list[tuple[torch.Tensor, int]]:
         """Prefill several empty slots; each prompt's next-token logits [V] and cached tokens.
 
         One at a time here; a backend that can compute several prompts in one forward (the
-        weights read once for all of them) overrides it.
+        weights read once for all of them) overrides it. ``adapters`` (given only when a
+        prompt has one) name each prompt's LoRA adapter, for a backend that serves them.
         """
         out = []
-        for slot, tokens in zip(slots, prompts, strict=True):
-            logits = self.prefill(slot, tokens)
+        for i, (slot, tokens) in enumerate(zip(slots, prompts, strict=True)):
+            adapter = adapters[i] if adapters else None
+            logits = self.prefill(slot, tokens, **({"adapter": adapter} if adapter else {}))
             out.append((logits, self.cached_tokens))
         return out
 
     @abstractmethod
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """Append one token to each of ``slots`` (always ``0..B-1``); logits [B, V]."""
+        """Append one token to each of ``slots`` (always ``0..B-1``); logits [B, V].
+
+        A backend that serves LoRA adapters also takes ``adapters=``: one name (or None)
+        per row; the engine passes it only when a row has one.
+        """
 
     @abstractmethod
     def move(self, src: int, dst: int) -> None:

@@ -108,6 +108,13 @@ def _merge(chunks: list[Chunk]) -> Chunk:
                                logprobs=[e for c in chunks for e in c.logprobs])
 
 
+def _adapters(rows: list[_Seq]) -> dict[str, Any]:
+    """``adapters=`` for a step's rows, only when a row has one: base-only steps call the
+    backend as before, so a backend without adapters never sees the argument."""
+    names = [s.adapter for s in rows]
+    return {"adapters": names} if any(names) else {}
+
+
 @dataclass(eq=False)
 class _Seq:
     prompt: list[int]
@@ -132,6 +139,8 @@ class _Seq:
     forks: list[_Seq] = field(default_factory=list)
     constraint: Constraint | None = None  # the grammar its tokens must follow
     logprobs: list[TokenLogprob] = field(default_factory=list)  # for the next chunk
+    #: The LoRA adapter the sequence runs with (None: the base model).
+    adapter: str | None = None
 
     @property
     def need(self) -> Need:
@@ -198,14 +207,17 @@ class Engine:
         return len(self._running)
 
     async def generate(self, prompt: list[int], params: SamplingParams, *, n: int = 1,
-                       priority: int = 0, timeout_s: float | None = None
-                       ) -> AsyncIterator[Chunk]:
+                       priority: int = 0, timeout_s: float | None = None,
+                       adapter: str | None = None) -> AsyncIterator[Chunk]:
         """Stream the chunks of ``n`` choices (each chunk says its ``index``); closing the
         iterator cancels them.
 
         Args:
             priority: higher goes first (see ``_textgen_admission``).
             timeout_s: the request's deadline, counted from now.
+            adapter: the LoRA adapter every choice runs with (None: the base model).
+
+        ``adapter`` names a LoRA adapter the backend holds (the caller keeps it loaded).
 
         Raises:
             BadRequest: the prompt plus ``max_tokens`` (times ``n``) can never fit, or the
@@ -214,6 +226,8 @@ class Engine:
             DeadlineExceeded: ``timeout_s`` passed, waiting or running.
         """
         group = self._submit(prompt, params, n=n, priority=priority, timeout_s=timeout_s)
+        for seq in group:
+            seq.adapter = adapter
         head, open_choices = group[0], n
         try:
             while open_choices:
@@ -350,7 +364,7 @@ class Engine:
         if decoding:
             old = self._running[:decoding]
             last = [s.tokens[-1] for s in old]
-            logits = self.backend.decode(list(range(decoding)), last)
+            logits = self.backend.decode(list(range(decoding)), last, **_adapters(old))
             logits = constrain(logits, [s.constraint for s in old])
             # One argmax for the whole batch; only sampled rows go one by one.
             greedy = logits.argmax(dim=-1).tolist()
@@ -359,7 +373,8 @@ class Engine:
                 seq.take(sample(logits[i], seq.params, seq.generator) if sampled
                          else greedy[i], eos, logits[i])
         if fresh:  # every prompt admitted at this step in as few forwards as the backend can
-            done = self.backend.prefill_many([s.slot for s in fresh], [s.prompt for s in fresh])
+            done = self.backend.prefill_many([s.slot for s in fresh], [s.prompt for s in fresh],
+                                             **_adapters(fresh))
             for seq, (logits, cached) in zip(fresh, done, strict=True):
                 self._started(seq, logits, cached, eos)
 

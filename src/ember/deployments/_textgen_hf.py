@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember.deployments._textgen_backend import Backend, Detokenizer
+from ember.deployments._textgen_lora import LoraAdapters
 from ember.deployments._textgen_pack import groups, pack
 from ember.deployments._textgen_prefix import PrefixCache, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
@@ -59,6 +60,8 @@ class TransformersBackend(Backend):
         self.max_pack_tokens = max_pack_tokens
         #: Prompt blocks already computed (None: every prompt is computed in full).
         self.prefix = PrefixCache(max_blocks=prefix_blocks) if prefix_blocks else None
+        #: LoRA adapters rows may name (``_textgen_lora``); every row is the base without.
+        self.lora = LoraAdapters(self.model, base_name=str(model.config.name_or_path))
 
     @classmethod
     def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:
@@ -85,21 +88,33 @@ class TransformersBackend(Backend):
     def detokenizer(self) -> Detokenizer:
         return _TextDiffDetokenizer(self.tokenizer)
 
-    @torch.inference_mode()
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        hits = self.prefix.match(tokens) if self.prefix is not None else []
-        return self._prefill_after(slot, tokens, hits)
+    def _forward(self, adapters: list[str | None], **inputs: Any) -> Any:
+        """The model's forward, each row with its adapter (None: the base)."""
+        # Held for the step: an adapter being added or evicted changes the modules.
+        with self.lora.lock, self.lora.rows(adapters) as model:
+            return model(**inputs)
 
     @torch.inference_mode()
-    def prefill_many(self, slots: list[int],
-                     prompts: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
-        """Prompts with a cached prefix start from it, one each; the rest share packed forwards."""
+    def prefill(self, slot: int, tokens: list[int], *, adapter: str | None = None
+                ) -> torch.Tensor:
+        # The prefix cache holds the base's keys/values: an adapter's differ.
+        hits = self.prefix.match(tokens) if self.prefix is not None and not adapter else []
+        return self._prefill_after(slot, tokens, hits, adapter)
+
+    @torch.inference_mode()
+    def prefill_many(self, slots: list[int], prompts: list[list[int]], *,
+                     adapters: list[str | None] | None = None
+                     ) -> list[tuple[torch.Tensor, int]]:
+        """Prompts with a cached prefix start from it and prompts with an adapter run alone,
+        one each; the rest share packed forwards of the base."""
         out: list[tuple[torch.Tensor, int] | None] = [None] * len(prompts)
         cold: list[int] = []
         for i, tokens in enumerate(prompts):
-            hits = self.prefix.match(tokens) if self.prefix is not None else []
-            if hits:
-                out[i] = (self._prefill_after(slots[i], tokens, hits), self.cached_tokens)
+            adapter = adapters[i] if adapters else None
+            hits = self.prefix.match(tokens) if self.prefix is not None and not adapter else []
+            if hits or adapter:
+                out[i] = (self._prefill_after(slots[i], tokens, hits, adapter),
+                          self.cached_tokens)
             else:
                 cold.append(i)
         for group in groups([len(prompts[i]) for i in cold], max_tokens=self.max_pack_tokens):
@@ -110,51 +125,56 @@ class TransformersBackend(Backend):
         self.cached_tokens = 0
         return [o for o in out if o is not None]
 
-    def _prefill_after(self, slot: int, tokens: list[int], hits: list[Any]) -> torch.Tensor:
+    def _prefill_after(self, slot: int, tokens: list[int], hits: list[Any],
+                       adapter: str | None = None) -> torch.Tensor:
         """Prefill one prompt alone, starting from the keys/values of its cached blocks."""
         cache = DynamicCache()
         for layer in range(self.n_layers if hits else 0):  # start from the cached prefix
             cache.update(*joined(hits, layer), layer)
         done = len(hits) * (self.prefix.block_tokens if self.prefix is not None else 0)
         self.cached_tokens = done
-        out = self.model(input_ids=torch.tensor([tokens[done:]]), use_cache=True,
-                         **{self._cache_kw: cache}, **self._last_only)
-        self._keep(slot, tokens, cache, slice(None))
+        out = self._forward([adapter], input_ids=torch.tensor([tokens[done:]]), use_cache=True,
+                            **{self._cache_kw: cache}, **self._last_only)
+        self._keep(slot, tokens, cache, slice(None), remember=adapter is None)
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
 
     def _prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Prefill several prompts in one forward; their next-token logits [len(prompts), V]."""
+        """Prefill several prompts of the base in one forward; their next-token logits
+        [len(prompts), V]."""
         if len(prompts) == 1:
             return self._prefill_after(slots[0], prompts[0], [])[None]
         packed = pack(prompts, self.model.dtype)
         cache = DynamicCache()
         keep = {"logits_to_keep": packed.last} if self._last_only else {}
-        out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                         attention_mask=packed.mask, use_cache=True, **{self._cache_kw: cache},
-                         **keep)
+        out = self._forward([None], input_ids=packed.input_ids,
+                            position_ids=packed.position_ids, attention_mask=packed.mask,
+                            use_cache=True, **{self._cache_kw: cache}, **keep)
         for slot, tokens, (start, end) in zip(slots, prompts, packed.bounds, strict=True):
             self._keep(slot, tokens, cache, slice(start, end))
         logits: torch.Tensor = out.logits[0] if keep else out.logits[0, packed.last]
         return logits.float()
 
-    def _keep(self, slot: int, tokens: list[int], cache: Any, cut: slice) -> None:
-        """Copy one prompt's keys/values (columns ``cut`` of ``cache``) into ``slot`` and the
-        prefix cache."""
+    def _keep(self, slot: int, tokens: list[int], cache: Any, cut: slice, *,
+              remember: bool = True) -> None:
+        """Copy one prompt's keys/values (columns ``cut`` of ``cache``) into ``slot`` and, if
+        ``remember`` (the base's, not an adapter's), into the prefix cache."""
         layers: list[Any] = list(cache.layers[:self.n_layers])
         keys = [la.keys[:, :, cut] for la in layers]
         values = [la.values[:, :, cut] for la in layers]
         self._table().place(slot, keys, values)
-        if self.prefix is not None:
+        if self.prefix is not None and remember:
             self.prefix.insert(tokens, keys, values)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+    def decode(self, slots: list[int], tokens: list[int], *,
+               adapters: list[str | None] | None = None) -> torch.Tensor:
         table, rows = self._table(), len(slots)
         mask = table.begin_decode(rows)
-        out = self.model(input_ids=torch.tensor(tokens).unsqueeze(1),
-                         position_ids=table.positions(rows), attention_mask=mask,
-                         use_cache=True, **{self._cache_kw: slot_cache(table)})
+        out = self._forward(adapters or [None] * rows,
+                            input_ids=torch.tensor(tokens).unsqueeze(1),
+                            position_ids=table.positions(rows), attention_mask=mask,
+                            use_cache=True, **{self._cache_kw: slot_cache(table)})
         table.end_decode(rows)
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits

@@ -17,13 +17,18 @@ text is only Python-doc-flavoured babble; the serving around it is the real thin
 ``hf://org/name`` entry already in the Hugging Face cache; nothing is downloaded) gives the
 same engine and routes a real model, named after its directory or repository; in code,
 ``Generator(load_backend(dir), ENGINE)`` does the same in a deployment of your own.
+``EMBER_TEXTGEN_ADAPTERS=sql=s3://bucket/sql-lora,...`` serves LoRA adapters over that
+model, each a ``model`` of its own (``docs/lora.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from ray import serve
 
 import ember
 from ember import loaders, settings
@@ -32,10 +37,11 @@ from ember.deployments._textgen_backend import Backend, TinyLMBackend
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_grammar import token_bytes, tokenizer_for
 from ember.deployments._textgen_logprobs import describe
+from ember.deployments._textgen_lora import AdapterStore, LoraAdapters, fetch
 from ember.deployments._textgen_sampling import SamplingParams
 from ember.deployments._tinylm import TinyLMConfig, build
 from ember.edge.protocols.openai_structured import grammar_of
-from ember.errors import InvalidBody
+from ember.errors import BadRequest, ConfigError, InvalidBody, ModelNotFound
 from ember.protocols import GenerateRequest, OpenAIGeneration
 
 MODEL_NAME = "ember-tinylm-byte"
@@ -84,11 +90,47 @@ def chat_prompt(messages: list[Any]) -> str:
 
 
 class Generator:
-    """The replica's side of generation: one engine, requests in, chunks out."""
+    """The replica's side of generation: one engine, requests in, chunks out.
 
-    def __init__(self, backend: Backend, config: EngineConfig) -> None:
+    ``adapters`` (name to URL) are LoRA adapters requests may name; at most ``max_adapters``
+    stay loaded, and a request holds its adapter until its stream ends.
+    """
+
+    def __init__(self, backend: Backend, config: EngineConfig, *,
+                 adapters: Mapping[str, str] | None = None, max_adapters: int = 4) -> None:
         self.backend = backend
         self.engine = Engine(backend, config)
+        self.adapters = dict(adapters or {})
+        lora = getattr(backend, "lora", None)
+        if self.adapters and not isinstance(lora, LoraAdapters):
+            raise ConfigError("LoRA adapters need a transformers model (EMBER_TEXTGEN_MODEL)")
+        self.lora = lora
+        self.store = AdapterStore[str](max_adapters, load=self._load_adapter,
+                                       unload=lambda name, _: self._lora().remove(name))
+
+    def _lora(self) -> LoraAdapters:
+        if not isinstance(self.lora, LoraAdapters):
+            raise BadRequest("this model serves no LoRA adapters", param="model")
+        return self.lora
+
+    def _load_adapter(self, name: str) -> str:
+        """Fetch ``name`` through the caches, check it fits the base, put it in."""
+        files = fetch(self.adapters[name])
+        self._lora().check(name, files)
+        self._lora().add(name, files)
+        return name
+
+    async def acquire(self, name: str) -> float | None:
+        """Hold adapter ``name`` (loading it if needed); the load's seconds if it was cold.
+
+        Raises:
+            ModelNotFound: no adapter of that name is configured (404).
+            BadRequest: the adapter does not fit the base (400; nothing was evicted).
+        """
+        if name not in self.adapters:
+            raise ModelNotFound(model=name, param="model")
+        _, cold = await asyncio.to_thread(self.store.acquire, name)
+        return cold
 
     def prompt_of(self, body: GenerateRequest) -> list[int]:
         if (body.prompt is None) == (body.messages is None):
@@ -103,7 +145,19 @@ class Generator:
         return self.backend.encode(chat_prompt(body.messages or []))
 
     async def stream(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        prompt = self.prompt_of(body)
+        prompt, adapter = self.prompt_of(body), body.adapter
+        cold = await self.acquire(adapter) if adapter is not None else None
+        try:
+            async for chunk in self._chunks(body, prompt, adapter):
+                if cold is not None:  # the first chunk tells the edge about the cold load
+                    chunk, cold = {**chunk, "adapter_load_s": cold}, None
+                yield chunk
+        finally:
+            if adapter is not None:
+                await asyncio.to_thread(self.store.release, adapter)
+
+    async def _chunks(self, body: GenerateRequest, prompt: list[int],
+                      adapter: str | None) -> AsyncIterator[dict[str, Any]]:
         # No max_tokens: the room the prompt leaves (at least 1, so a prompt with none left
         # is refused naming max_tokens and the limit).
         limit = body.max_tokens or max(1, self.engine.room(len(prompt), body.n))
@@ -113,7 +167,7 @@ class Generator:
                                 grammar=grammar_of(body.response_format))
         priority = BATCH if body.priority == "batch" else body.priority
         async for chunk in self.engine.generate(prompt, params, n=body.n, priority=priority,
-                                                timeout_s=body.timeout_s):
+                                                timeout_s=body.timeout_s, adapter=adapter):
             out = {"text": chunk.text, "tokens": len(chunk.token_ids),
                    "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
                    "completion_tokens": chunk.completion_tokens,
@@ -149,13 +203,29 @@ class TextGen:
     """One continuous-batching engine per replica."""
 
     def setup(self) -> None:
-        self.generator = Generator(load_backend(served_model()[0]), ENGINE)
+        config = settings.load()
+        self.generator = Generator(load_backend(served_model()[0]), ENGINE,
+                                   adapters=config.textgen_adapters,
+                                   max_adapters=config.textgen_max_adapters)
 
     def warmup(self) -> None:
         self.generator.warmup()
 
+    # Ray Serve's model multiplexing: the replica reports the adapters it was asked for, and
+    # the edge's handle (``multiplexed_model_id``) sends a request naming one to a replica
+    # that has it. The generator's store does the loading: a request holds its adapter for
+    # its whole stream, which Serve's own cache cannot know.
+    @serve.multiplexed(  # type: ignore[untyped-decorator]  # Ray's decorator is untyped
+        max_num_models_per_replica=settings.load().textgen_max_adapters)
+    async def adapter_id(self, name: str) -> str:
+        return name
+
     @ember.route("/generate")
     async def generate(self, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        if body.adapter is not None:
+            # What Serve routed the request by (the edge sets it for an adapter); a call of
+            # the native route that names an adapter in its body has none.
+            await self.adapter_id(serve.get_multiplexed_model_id() or body.adapter)
         async for chunk in self.generator.stream(body):
             yield chunk
 
@@ -164,7 +234,8 @@ app = ember.App(
     [TextGen],
     name="textgen",
     protocols=[OpenAIGeneration(deployment="TextGen", attr="generate",
-                                model=served_model()[1])],
+                                model=served_model()[1],
+                                adapters=tuple(settings.load().textgen_adapters))],
     curl=("curl -sN {url}/v1/completions -H 'content-type: application/json' -d "
           "'{{\"model\": \"ember-tinylm-byte\", \"prompt\": \"Return the\", \"max_tokens\": 32, "
           "\"stream\": true}}'"),

@@ -106,6 +106,18 @@ def note_cold_start(header_value: str) -> None:
     note_header(COLD_START_HEADER, header_value)
 
 
+def note_adapter_load(seconds: float) -> None:
+    """Add a cold LoRA adapter load (``adapter=<ms>``) to this request's cold-start header:
+    after the replica's phases if the replica was cold too, else as the only phase."""
+    box = _NOTED.get()
+    if box is None:
+        return
+    ms = f"{seconds * 1000:.0f}"
+    before = box.get(COLD_START_HEADER)
+    box[COLD_START_HEADER] = (f"{before};adapter={ms}" if before is not None
+                              else f"total={ms};path=adapter;adapter={ms}")
+
+
 class ColdStartHeaderMiddleware:
     """Add the noted headers (``X-Ember-Cold-Start``, ``X-Ember-Version``) to a response.
 

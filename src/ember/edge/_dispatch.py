@@ -289,17 +289,20 @@ class Dispatcher:
         return await self.call(route, body, request_id)
 
     async def stream(self, route: RouteSpec, body: Any, request_id: str,
-                     on_cold: Callable[[ColdStartReport], None] | None = None
-                     ) -> AsyncIterator[Any]:
+                     on_cold: Callable[[ColdStartReport], None] | None = None,
+                     model_id: str | None = None) -> AsyncIterator[Any]:
         """Yield a streaming handler's chunks as they are produced.
 
         A stream that finds no running replica has its cold start measured like a call's;
-        ``on_cold`` gets the report before the first chunk is yielded.
+        ``on_cold`` gets the report before the first chunk is yielded. ``model_id`` is Ray
+        Serve's multiplexed model id: the router prefers a replica that holds that model.
         """
         name = route.deployment
         arrived = time.time()
         timeline = self._timeline_once_placed(name)
         handle = self._handles[name].options(method_name="ember_stream", stream=True)
+        if model_id:
+            handle = handle.options(multiplexed_model_id=model_id)
         with self.tracker.track(name):
             generator = cast(DeploymentResponseGenerator[Any], handle.remote(route.attr, body))
             try:

@@ -152,13 +152,14 @@ class IngressState:
             note_cold_start(outcome.cold.header())
         return outcome.value
 
-    async def stream(self, deployment: str, attr: str, body: Any,
-                     request_id: str) -> AsyncIterator[Any]:
+    async def stream(self, deployment: str, attr: str, body: Any, request_id: str, *,
+                     model_id: str | None = None) -> AsyncIterator[Any]:
         route = RouteSpec(path=f"{deployment}.{attr}", http_method="POST", deployment=deployment,
                           attr=attr, input_model=None, output_model=None, is_async=True,
                           is_stream=True)
         async for chunk in self.dispatcher.stream(
-                route, body, request_id, on_cold=lambda report: note_cold_start(report.header())):
+                route, body, request_id, on_cold=lambda report: note_cold_start(report.header()),
+                model_id=model_id):
             yield chunk
 
     @property

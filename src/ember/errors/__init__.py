@@ -19,6 +19,7 @@ facts reach logs, callers and tests::
     │   ├── Unauthorized (401)         no valid ``Authorization: Bearer <key>``
     │   ├── Forbidden (403)            an invoke key (or a remote client) on an admin route
     │   ├── NotFound (404)
+    │   │   └── ModelNotFound (404)    an OpenAI ``model`` (or LoRA adapter) this app does not serve
     │   ├── Conflict (409)             fits, but not the state it meets (a rollout already runs)
     │   ├── MethodNotAllowed (405)
     │   ├── BodyTimeout (408)          the body did not arrive within the edge's deadline
@@ -75,6 +76,7 @@ from ember.errors._base import (
     InvalidBody,
     MalformedJSON,
     MethodNotAllowed,
+    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     QueueFull,
@@ -144,6 +146,7 @@ __all__ = [
     "MalformedJSON",
     "MethodNotAllowed",
     "ModelFilesMissing",
+    "ModelNotFound",
     "NoBatchHandler",
     "NotFound",
     "ObjectChanged",

@@ -83,6 +83,12 @@ class NotFound(RequestError):
     template = "no route for {method} {path}"
 
 
+class ModelNotFound(NotFound):
+    """OpenAI's ``model_not_found``: the request named a model or adapter not served here."""
+
+    template = "The model '{model}' does not exist"
+
+
 class Conflict(RequestError):
     """The request fits, but not the state it meets (a rollout already running, say)."""
 

@@ -236,7 +236,8 @@ class _Gateway:
     async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
         raise AssertionError("generation streams; it never calls")
 
-    async def stream(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
+    async def stream(self, deployment: str, attr: str, body: Any, request_id: str, *,
+                     model_id: str | None = None) -> Any:
         async for chunk in self.generator.stream(body):
             yield chunk
 

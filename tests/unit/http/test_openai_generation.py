@@ -37,8 +37,8 @@ class EngineGateway:
     async def call(self, deployment: str, attr: str, body: Any, request_id: str) -> Any:
         raise AssertionError("generation streams; it never calls")
 
-    async def stream(self, deployment: str, attr: str, body: Any,
-                     request_id: str) -> AsyncIterator[Any]:
+    async def stream(self, deployment: str, attr: str, body: Any, request_id: str, *,
+                     model_id: str | None = None) -> AsyncIterator[Any]:
         assert isinstance(body, GenerateRequest)  # what the replica's handler is annotated with
         async for chunk in self.generator.stream(body):
             yield chunk
@@ -283,7 +283,8 @@ class StuckGateway(EngineGateway):
     """A replica that never starts the request (a cold start longer than the deadline)."""
 
     async def stream(self, deployment: str, attr: str, body: Any,
-                     request_id: str) -> AsyncIterator[Any]:
+                     request_id: str, *, model_id: str | None = None
+                     ) -> AsyncIterator[Any]:
         await asyncio.sleep(3600)
         yield {}
 

@@ -79,7 +79,8 @@ class CountingGateway(EngineGateway):
         self.streams = 0
 
     async def stream(self, deployment: str, attr: str, body: Any,
-                     request_id: str) -> AsyncIterator[Any]:
+                     request_id: str, *, model_id: str | None = None
+                     ) -> AsyncIterator[Any]:
         self.streams += 1
         async for chunk in super().stream(deployment, attr, body, request_id):
             yield chunk

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from ember.edge._asgi import error_body, request_id_of
+from ember.edge._asgi import error_body, note_adapter_load, request_id_of
 from ember.edge.protocols import Gateway, Protocol
 from ember.edge.protocols.openai_structured import (
     LegacyLogprobs,
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+_LOAD_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class ChatMessage(BaseModel):
@@ -183,6 +184,8 @@ class GenerateRequest(BaseModel):
     response_format: ResponseFormat | None = None
     #: Report each token's log-probability and this many alternatives (None: none).
     logprobs: int | None = Field(None, ge=0, le=20)
+    #: A LoRA adapter over the served model (None: the model itself).
+    adapter: str | None = None
 
 
 class GenerationMetrics:
@@ -215,6 +218,10 @@ class GenerationMetrics:
         self.waiting = Gauge("ember_num_requests_waiting",
                              "Sequences waiting for a slot, as last reported", labels,
                              registry=r)
+        self.adapter_load = Histogram("ember_lora_adapter_load_seconds",
+                                      "A LoRA adapter's cold load on a replica (fetch, check, "
+                                      "put into the model), met by the request it was for",
+                                      labels, buckets=_LOAD_BUCKETS_S, registry=r)
 
 
 @dataclass
@@ -273,9 +280,11 @@ class OpenAIGeneration(Protocol):
     """
 
     def __init__(self, *, deployment: str, attr: str, model: str,
-                 default_max_tokens: int = 16) -> None:
+                 default_max_tokens: int = 16, adapters: tuple[str, ...] = ()) -> None:
         self.deployment, self.attr, self.model = deployment, attr, model
         self.default_max_tokens = default_max_tokens
+        #: LoRA adapters over ``model``: each a ``model`` clients may name.
+        self.adapters = adapters
 
     def __repr__(self) -> str:
         return f"OpenAIGeneration(model={self.model!r} -> {self.deployment}.{self.attr})"
@@ -300,8 +309,9 @@ class OpenAIGeneration(Protocol):
             return await self._serve(request, body, gateway, metrics, chat=True)
 
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": 0, "owned_by": "ember"}]}
+            base = {"id": self.model, "object": "model", "created": 0, "owned_by": "ember"}
+            return {"object": "list", "data": [base, *(
+                {**base, "id": name, "parent": self.model} for name in self.adapters)]}
 
         api.add_api_route("/v1/completions", completions, methods=["POST"], tags=["openai"])
         api.add_api_route("/v1/chat/completions", chat, methods=["POST"], tags=["openai"])
@@ -332,23 +342,30 @@ class OpenAIGeneration(Protocol):
                 raise InvalidBody("prompt: one prompt per request", param="prompt")
             fields["prompt"] = prompts[0]
             limit = body.max_tokens or self.default_max_tokens
-        return GenerateRequest(max_tokens=limit, **fields)
+        adapter = body.model if body.model != self.model else None
+        return GenerateRequest(max_tokens=limit, adapter=adapter, **fields)
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      gateway: Gateway, metrics: GenerationMetrics, *, chat: bool) -> Any:
-        if body.model != self.model:
+        if body.model != self.model and body.model not in self.adapters:
             return JSONResponse({"error": {
                 "message": f"The model '{body.model}' does not exist", "type":
                 "invalid_request_error", "param": "model", "code": "model_not_found"}}, 404)
         rid = request_id_of(request)
         generate = self._generate_request(body, request)
-        timing = _Timing(metrics, self.model, n=body.n)
+        timing = _Timing(metrics, body.model, n=body.n)
         # The request object itself, as a native route sends its parsed body: the handler
-        # receives its annotated type, never a dict.
-        chunks = gateway.stream(self.deployment, self.attr, generate, rid)
-        shape = _Shape(model=self.model, chat=chat, request_id=rid, n=body.n)
+        # receives its annotated type, never a dict. A request for an adapter goes to a
+        # replica that holds it (Ray Serve's multiplexing), when one does.
+        adapter = {"model_id": body.model} if body.model != self.model else {}
+        chunks = gateway.stream(self.deployment, self.attr, generate, rid, **adapter)
+        shape = _Shape(model=body.model, chat=chat, request_id=rid, n=body.n)
         first = await _first(chunks, generate.timeout_s)  # a refusal raises here: a real
-        timing.chunk(first)                               # status, before any byte
+        if first.get("adapter_load_s") is not None:       # status, before any byte
+            seconds = float(first["adapter_load_s"])
+            metrics.adapter_load.labels(body.model).observe(seconds)
+            note_adapter_load(seconds)
+        timing.chunk(first)
         if not body.stream:
             try:
                 return await shape.whole(first, chunks, timing)
