@@ -150,7 +150,8 @@ def preload_snapshot(
     Raises:
         WeightsError: as for :func:`ember.loaders.snapshot_load`.
     """
-    cfg = as_config(config)
+    # The point is a snapshot on this node when this returns: never write it behind.
+    cfg = as_config(config).model_copy(update={"cache_write": "through"})
     loaded = snapshot_load(
         url, code_version=code_version, config=cfg,
         max_snapshot_bytes=max_snapshot_bytes, verify=verify,

@@ -275,3 +275,14 @@ def test_cli_ls_and_drop(
     assert _cli("snapshot", "--cache-dir", cache, "drop", "--all") == 1
     snapshot_load(path.as_uri(), config=config)
     assert _cli("snapshot", "--cache-dir", cache, "drop", "--all") == 0
+
+
+def test_a_preload_leaves_the_snapshot_on_the_node_even_where_loads_write_behind(
+        write_file: Writer, config: LoaderConfig) -> None:
+    # "behind" is what a remote origin gets by default: a load returns before the node cache
+    # holds its bytes. A preload (ember cache warm, a deployment's preload) must not.
+    behind = config.model_copy(update={"cache_write": "behind"})
+    path = write_file({"w": torch.ones(4096)}, "model.safetensors")
+    warmed = preload_snapshot(path.as_uri(), code_version="v1", config=behind)
+    [info] = list_snapshots(behind)
+    assert info.key == warmed.key and info.total_bytes == path.stat().st_size
