@@ -348,9 +348,15 @@ def start_peer(script: str, args: list[str], deadline: Deadline) -> tuple[Server
     port = free_port()
     server = ServerProcess([sys.executable, script, "--port", str(port), *args],
                            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    url = f"http://{HOST}:{port}"
+    return ready_or_stopped(server, f"http://{HOST}:{port}", "/health", deadline)
+
+
+def ready_or_stopped(server: ServerProcess, url: str, path: str,
+                     deadline: Deadline) -> tuple[ServerProcess, str]:
+    """``server`` and ``url`` once ``GET url+path`` answers 200; one that never does is
+    stopped (its whole tree, by PID) before the error goes on."""
     try:
-        server.wait_ready(url + "/health", deadline)
+        server.wait_ready(url + path, deadline)
     except BaseException:
         server.stop()
         raise

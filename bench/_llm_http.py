@@ -44,13 +44,7 @@ def start_server(model_dir: Path, deadline: h.Deadline) -> tuple[h.ServerProcess
     env.update(PYTHONPATH=str(h.ROOT / "src"), EMBER_TEXTGEN_MODEL=str(model_dir))
     argv = [str(BIN / "ember"), "run", "ember.deployments.textgen:app", "--port", str(port)]
     server = h.ServerProcess(argv, env, inherit_env=False, cwd=Path(tempfile.gettempdir()))
-    url = f"http://{h.HOST}:{port}"
-    try:
-        server.wait_ready(url + "/readyz", deadline)
-    except BaseException:
-        server.stop()
-        raise
-    return server, url
+    return h.ready_or_stopped(server, f"http://{h.HOST}:{port}", "/readyz", deadline)
 
 
 def http_stream(client: httpx.AsyncClient, url: str, model: str) -> Stream:
