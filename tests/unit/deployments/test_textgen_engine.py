@@ -16,23 +16,12 @@ from ember.deployments._textgen_admission import Waiting, plan
 from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig, Need
 from ember.deployments._textgen_sampling import SamplingParams, StopText, _nucleus, _overlap
-from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode
+from ember.deployments._tinylm import TinyLM, encode
 from ember.errors import BadRequest, QueueFull
 
 PROMPTS = ["The licence", "def f(x):", "Return the", "a", "PYTHON SOFTWARE FOUNDATION",
            "socket", "Copyright (c) 2001", "x = [1, 2"]
 LENGTHS = [5, 23, 9, 40, 1, 17, 31, 12]
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLM:
-    # Random weights: equality must hold for any weights, and a random model's logits are
-    # far from ties less often than a trained one's, so this is the harder case to pass.
-    torch.manual_seed(1)
-    model = TinyLM(TinyLMConfig(dim=64, n_layers=2, n_heads=4, max_len=128)).eval()
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    return model
 
 
 def engine(model: TinyLM, **options: object) -> Engine:

@@ -7,27 +7,17 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from ember.deployments._textgen_admission import BATCH
 from ember.deployments._textgen_backend import TinyLMBackend
 from ember.deployments._textgen_engine import Chunk, Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
-from ember.deployments._tinylm import TinyLM, TinyLMConfig, encode
+from ember.deployments._tinylm import TinyLM, encode
 from ember.errors import BadRequest, DeadlineExceeded
 
 from slowgen import SlowBackend
 
 STEP_S = 0.02
-
-
-@pytest.fixture(scope="module")
-def model() -> TinyLM:
-    torch.manual_seed(1)
-    model = TinyLM(TinyLMConfig(dim=64, n_layers=2, n_heads=4, max_len=128)).eval()
-    for p in model.parameters():
-        p.data.normal_(0, 0.2)
-    return model
 
 
 def slow_engine(model: TinyLM, step_s: float = STEP_S,
