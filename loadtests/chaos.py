@@ -1,6 +1,6 @@
 """Chaos: SIGKILL a replica (or an edge) every ``--kill-every-s`` under load; almost nothing fails.
 
-Meant for ``loadtests/chaos_apps.py:app`` (deployment ``Sleeper``: two replicas, 100-200 ms
+Meant for ``loadtests/apps.py:app`` (deployment ``Sleeper``: two replicas, 100-200 ms
 per request, each answer naming the PID of its replica), served on this machine. Users
 POST steadily for ``--run-time``. Meanwhile a killer (one, on the master or local runner)
 wakes every ``--kill-every-s``, finds the replica processes by asking ``--pid-path`` a few

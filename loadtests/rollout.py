@@ -7,7 +7,7 @@ on ``GET /-/rollout/{deployment}`` and ends the load a few seconds after it ends
 Budgets: the rollout succeeded (reached 100% and held), no request failed, and both
 versions answered requests (so the split really moved under load).
 
-    ember run loadtests/rollout_apps.py:app
+    ember run loadtests/apps.py:app
     locust -f loadtests/rollout.py --headless -H http://127.0.0.1:8000 -u 6 -r 6
 """
 

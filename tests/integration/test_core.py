@@ -134,10 +134,12 @@ def test_unplaceable_replica_is_a_503_with_its_reason_within_10_s(url: str) -> N
         "deployment 'Huge' is waiting for resources: needs CPU 64.0, "), error
     assert reply.headers["retry-after"] == "5"
     assert waited < 10, f"the caller waited {waited:.1f} s for the reason"
-    # While the replica is still asked for, a second caller is refused without waiting,
-    # and the status says why.
+    # While the replica is still asked for, a second caller is refused without waiting for
+    # a replica, and the status says why. The margin is for a new connection meeting another
+    # edge that has not yet read the states (edges read them about once a second): the
+    # first caller's wait, up to 10 s, is what this must not repeat.
     again = httpx.post(f"{url}/huge", timeout=60)
-    assert again.status_code == 503 and again.elapsed.total_seconds() < 1.0
+    assert again.status_code == 503 and again.elapsed.total_seconds() < 3.0
     # Each edge reads replica states about once a second: every edge says why, soon.
     wait_for(lambda: all(str(deployment_status(url, "Huge")["waiting_for_resources"])
                          .startswith("waiting for resources: needs CPU 64.0")

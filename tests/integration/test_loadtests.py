@@ -1,5 +1,9 @@
 """The load tests of ``loadtests/``: the short run passes, and a missed budget fails.
 
+The short run is also the chaos test: replicas, then edges, SIGKILLed twice each under load,
+replaced within their budgets, with requests succeeding (>= 99% for replica kills, at most one
+per user per kill for edge kills).
+
 The short run starts its own ``ember run`` servers (and so its own Ray), so these tests
 do not use the session cluster's fixtures. The budget tests run one scenario against a
 stand-in for Ember's HTTP API, which answers at once: the budget mechanics are checked
@@ -41,6 +45,13 @@ def test_short_run_passes_and_writes_the_report(tmp_path: Path) -> None:
             assert (out / f"{name}{suffix}").is_file(), f"{name}{suffix} missing"
         budgets = json.loads((out / f"{name}_budgets.json").read_text())
         assert budgets["passed"], budgets
+    # The chaos scenarios killed twice each (two replicas, then two edges) and every kill was
+    # recovered within its budget; their logs name each kill.
+    for name, victim in (("chaos", "replica"), ("edge-chaos", "edge")):
+        budgets = json.loads((out / f"{name}_budgets.json").read_text())
+        measured = {b["name"]: b["measured"] for b in budgets["budgets"]}
+        assert measured[f"{victim} kills"] >= 2, budgets
+        assert "[chaos] kill 2 at" in (out / f"{name}.log").read_text(), name
     samples = (out / "replicas.csv").read_text().splitlines()
     assert len(samples) > 10
     assert any(",MiniLM,0," in row for row in samples)  # seen at zero before the burst
