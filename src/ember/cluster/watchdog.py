@@ -22,11 +22,14 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from typing import IO
 
 import psutil
 
 RECORD_EVERY_S = 0.5
+#: How long one round of killing waits for its processes to end.
+KILL_WAIT_S = 5.0
 #: Commands on the watchdog's stdin, each answered with one line on its stdout.
 RECORD, REAP = b"record\n", b"reap\n"
 
@@ -82,17 +85,31 @@ def _tree(roots: list[psutil.Process]) -> dict[int, psutil.Process]:
     return found
 
 
+def _ended(process: psutil.Process) -> bool:
+    """Gone, or a zombie: a killed direct child of the serving process stays a zombie until
+    that process reaps it, and no signal can end it sooner."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def _kill(known: dict[int, psutil.Process], spare: set[int]) -> None:
     """SIGKILL every known process still alive, and descendants found meanwhile."""
     for _ in range(3):
-        targets = [p for pid, p in _tree(list(known.values())).items() if pid not in spare]
+        targets = [p for pid, p in _tree(list(known.values())).items()
+                   if pid not in spare and not _ended(p)]
         if not targets:
             return
         for process in targets:
             known[process.pid] = process
             with contextlib.suppress(psutil.Error):
                 process.kill()
-        psutil.wait_procs(targets, timeout=5)
+        # Not psutil.wait_procs: for a process that is not our child it waits for the PID to
+        # vanish, which a zombie's never does, so each round would wait out its timeout.
+        deadline = time.monotonic() + KILL_WAIT_S
+        while not all(_ended(p) for p in targets) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _record(parent: psutil.Process, known: dict[int, psutil.Process], spare: set[int]) -> None:
