@@ -2,7 +2,14 @@
 official ``openai`` client: a request naming an adapter as its ``model`` goes to the replica
 that holds the adapter, so each adapter is loaded once in the cluster.
 
-Breaks tried (each failed the test named, then was restored): see the report below the test.
+The replicas run TextGen's own ``generate`` (apps/lora.py); which replica loaded an adapter
+shows in the header of the request that met the load (``X-Ember-Cold-Start: adapter=<ms>``),
+and what each replica holds in a probe route of the test app.
+
+Breaks tried (each failed this test, then was restored):
+- the edge sending no multiplexed model id (``Dispatcher.stream`` skipping
+  ``handle.options(multiplexed_model_id=...)``): both adapters loaded on both replicas;
+- ``PrefixRouter.choose_replicas`` returning one random candidate: the same.
 """
 
 from __future__ import annotations
