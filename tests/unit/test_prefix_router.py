@@ -269,4 +269,4 @@ def test_holders_of_the_adapter_are_ranked_right_after_the_choice() -> None:
     made.on_request_routed(request(None, 5), ReplicaID("b", DEPLOYMENT), None)
     ranks = LOOP[0].run_until_complete(
         made.choose_replicas(replicas, request(None, 9, "sql")))  # type: ignore[arg-type]
-    assert [[r.name for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
