@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     textgen_max_adapters: int = Field(
         4, ge=1, description="LoRA adapters one textgen replica keeps loaded (LRU)"
     )
+    textgen_max_replicas: int = Field(
+        1, ge=1, description="most replicas of the textgen app's TextGen deployment"
+    )
+    textgen_warm_floor: int = Field(
+        0, ge=0, description="TextGen replicas kept running when idle (0: scale to zero)"
+    )
     # -- who may call ------------------------------------------------------------------------
     api_keys: SecretStr | None = Field(None, description="invoke keys, comma-separated")
     api_keys_file: Path | None = Field(None, description="invoke keys, one per line")

@@ -40,6 +40,8 @@ class FakeReplica:
     name: str
     routing_stats: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 16
+    #: The adapters the replica reported to Serve (``@serve.multiplexed``).
+    multiplexed_model_ids: set[str] = field(default_factory=set)
 
     @property
     def replica_id(self) -> ReplicaID:
@@ -53,11 +55,13 @@ def router(gap: int = 8) -> PrefixRouter:
     return made
 
 
-def request(prompt: str | None, number: int) -> PendingRequest:
+def request(prompt: str | None, number: int, model: str = "") -> PendingRequest:
+    """A pending request; ``model`` is its multiplexed model id (a LoRA adapter)."""
     body = GenerateRequest(prompt=prompt) if prompt is not None else None
     return PendingRequest(args=["generate", body], kwargs={}, future=LOOP[0].create_future(),
                           metadata=RequestMetadata(request_id=f"r{number}",
-                                                   internal_request_id=f"i{number}"))
+                                                   internal_request_id=f"i{number}",
+                                                   multiplexed_model_id=model))
 
 
 def route(made: PrefixRouter, replicas: list[FakeReplica], pending: PendingRequest) -> str:
@@ -227,3 +231,42 @@ def test_only_prefix_routed_replicas_report_routing_stats() -> None:
     assert LOOP[0].run_until_complete(core.routing_stats()) == {"warm": False}
     assert LOOP[0].run_until_complete(ReplicaCore(plain, Plain()).routing_stats()) == {
         "warm": True}
+
+
+# -- LoRA adapters: Serve's multiplexed model id ---------------------------------------------
+def test_an_adapter_request_goes_to_the_replica_that_reported_the_adapter() -> None:
+    made = router()
+    holder = route(made, [FakeReplica("a"), FakeReplica("b")], request(SHARED + "base", 0))
+    other = "b" if holder == "a" else "a"
+    replicas = [FakeReplica(holder), FakeReplica(other, multiplexed_model_ids={"sql"})]
+    # The prompt's prefix is on the holder; the adapter wins.
+    assert {route(made, replicas, request(SHARED + f"q {n}", n, "sql"))
+            for n in range(1, 6)} == {other}
+
+
+def test_adapters_in_flight_count_before_any_report() -> None:
+    # Serve hears of a load a push interval after it starts: the router's own requests in
+    # flight say where the adapter is going meanwhile.
+    made, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+    sql = {route(made, replicas, request(f"prompt {n} " * 4, n, "sql")) for n in range(4)}
+    chat = {route(made, replicas, request(f"prompt {n} " * 4, 10 + n, "chat"))
+            for n in range(4)}
+    assert len(sql) == 1 and len(chat) == 1 and sql != chat  # once each, spread
+
+
+def test_an_adapter_request_leaves_no_prefix_behind() -> None:
+    made, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+    route(made, replicas, request(SHARED + "with an adapter", 0, "sql"))
+    assert len(made._ember_table) == 0
+
+
+def test_holders_of_the_adapter_are_ranked_right_after_the_choice() -> None:
+    made = router()
+    replicas = [FakeReplica("a", multiplexed_model_ids={"sql"}),
+                FakeReplica("b", multiplexed_model_ids={"sql"}), FakeReplica("c")]
+    for n in range(3):  # c is the least loaded, a the busiest holder
+        made.on_request_routed(request(None, n), ReplicaID("a", DEPLOYMENT), None)
+    made.on_request_routed(request(None, 5), ReplicaID("b", DEPLOYMENT), None)
+    ranks = LOOP[0].run_until_complete(
+        made.choose_replicas(replicas, request(None, 9, "sql")))  # type: ignore[arg-type]
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]

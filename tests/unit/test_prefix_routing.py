@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ember.control.prefix_routing import (
+    Choice,
     InFlight,
     PrefixTable,
     ReplicaLoad,
@@ -189,3 +190,82 @@ def test_a_finish_reported_before_the_acceptance_is_not_counted() -> None:
     inflight.finished("1")
     inflight.routed("1", "a")
     assert inflight.counts() == {}
+
+
+# -- LoRA adapters (Serve's multiplexed model ids) ------------------------------------------
+def held(**adapters: str) -> list[ReplicaLoad]:
+    """Idle warm replicas holding the comma-separated adapters given."""
+    return [ReplicaLoad(name, 0, adapters=frozenset(filter(None, names.split(","))))
+            for name, names in adapters.items()]
+
+
+def test_an_adapter_request_goes_to_its_holder_whatever_its_prefix() -> None:
+    table = PrefixTable()
+    table.record(blocks("a shared system prompt"), "a")
+    choice = choose(blocks("a shared system prompt"), table, held(a="", b="sql"),
+                    max_queue_gap=8, adapter="sql")
+    assert choice is not None and (choice.replica, choice.reason) == ("b", "adapter")
+
+
+def test_a_new_adapter_goes_to_the_replica_holding_the_fewest() -> None:
+    choice = choose([], PrefixTable(), held(a="x", b="", c="y,z"), max_queue_gap=8,
+                    adapter="sql")
+    assert choice is not None and (choice.replica, choice.reason) == ("b", "adapter_home")
+
+
+def test_a_new_adapter_goes_to_the_same_home_from_every_edge_and_homes_spread() -> None:
+    def home(order: str, adapter: str) -> str:
+        choice = choose([], PrefixTable(), held(**dict.fromkeys(order, "")), max_queue_gap=8,
+                        adapter=adapter)
+        assert choice is not None
+        return choice.replica
+
+    assert len({home(order, "sql") for order in ("abc", "cba", "bca")}) == 1
+    homes = [home("abcd", f"adapter-{i}") for i in range(200)]
+    assert {homes.count(r) for r in "abcd"} <= set(range(30, 71))
+
+
+def test_the_least_loaded_of_two_holders_takes_the_request() -> None:
+    replicas = [ReplicaLoad("a", 3, adapters=frozenset({"sql"})),
+                ReplicaLoad("b", 1, adapters=frozenset({"sql"})), ReplicaLoad("c", 0)]
+    choice = choose([], PrefixTable(), replicas, max_queue_gap=8, adapter="sql")
+    assert choice is not None and (choice.replica, choice.reason) == ("b", "adapter")
+
+
+def test_an_overloaded_holder_is_passed_over_for_a_new_copy() -> None:
+    replicas = [ReplicaLoad("a", 9, adapters=frozenset({"sql"})),
+                ReplicaLoad("b", 0, adapters=frozenset({"x"})), ReplicaLoad("c", 0)]
+    choice = choose([], PrefixTable(), replicas, max_queue_gap=8, adapter="sql")
+    # Past the gap: the least-adapted qualifying replica loads it too.
+    assert choice is not None and (choice.replica, choice.reason) == ("c", "adapter_home")
+    replicas[0] = ReplicaLoad("a", 8, adapters=frozenset({"sql"}))  # within the gap: kept
+    assert choose([], PrefixTable(), replicas, max_queue_gap=8, adapter="sql") \
+        == Choice("a", "adapter")
+
+
+def test_a_cold_holder_is_not_chosen_for_its_adapter() -> None:
+    replicas = [ReplicaLoad("a", 0, warm=False, adapters=frozenset({"sql"})),
+                ReplicaLoad("b", 2)]
+    choice = choose([], PrefixTable(), replicas, max_queue_gap=8, adapter="sql")
+    assert choice is not None and (choice.replica, choice.reason) == ("b", "adapter_home")
+
+
+def test_an_adapter_request_with_nothing_qualified_goes_to_the_least_loaded() -> None:
+    replicas = [ReplicaLoad("a", 0, warm=False, adapters=frozenset({"sql"})),
+                ReplicaLoad("b", 3, warm=False)]
+    choice = choose([], PrefixTable(), replicas, max_queue_gap=8, adapter="sql")
+    assert choice is not None and (choice.replica, choice.reason) == ("a", "least_loaded")
+
+
+def test_in_flight_adapters_count_until_finished_or_expired() -> None:
+    now = [0.0]
+    inflight = InFlight(choice_ttl_s=5.0, clock=lambda: now[0])
+    inflight.chosen("1", "a", "sql")
+    inflight.chosen("2", "b", "chat")
+    inflight.routed("2", "b", "chat")
+    inflight.chosen("3", "b")  # the base: no adapter
+    assert inflight.adapters() == {"a": frozenset({"sql"}), "b": frozenset({"chat"})}
+    now[0] = 6.0  # the choice of 1 was never confirmed
+    assert inflight.adapters() == {"b": frozenset({"chat"})}
+    inflight.finished("2")
+    assert inflight.adapters() == {}

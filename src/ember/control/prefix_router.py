@@ -8,6 +8,14 @@ routing stats (``record_routing_stats``), and records in its table where each pr
 routed. Each edge balances what it sends; the edges agree on where a new prefix goes (its
 rendezvous home), so their tables agree too until load moves a prefix.
 
+A request for a LoRA adapter carries Ray Serve's multiplexed model id; the adapters a replica
+holds are those it reports to Serve (``RunningReplica.multiplexed_model_ids``, what
+``@serve.multiplexed`` records) and those of the requests this router has in flight there
+(the report lags a load by a push interval). Such a request is routed by its adapter, not
+its prompt, and leaves no blocks in the table: the engine keeps no prefix blocks of
+adapter rows. Ray's ``MultiplexMixin`` ranks by the same reports but knows nothing of
+warm state or of this router's own counts, so it is not used.
+
 It is not a ``FIFOMixin`` router on purpose: with FIFO, the replica chosen for one request
 is handed to the oldest waiting request, whose prompt may share nothing with it.
 """
@@ -56,6 +64,12 @@ def prompt_text(args: list[Any] | tuple[Any, ...], kwargs: dict[Any, Any]) -> st
     return None
 
 
+def model_id(request: PendingRequest | None) -> str | None:
+    """The request's multiplexed model id (a LoRA adapter's name); None when it has none."""
+    value = None if request is None else request.metadata.multiplexed_model_id
+    return value or None
+
+
 def _get(message: Any, key: str) -> Any:
     return message.get(key) if isinstance(message, dict) else getattr(message, key, None)
 
@@ -81,15 +95,19 @@ class PrefixRouter(RequestRouter):
         text = None if request is None else prompt_text(request.args, request.kwargs)
         return [] if text is None else text_blocks(text, self._ember_block_tokens)
 
-    @staticmethod
-    def _ember_load(replica: RunningReplica, sent: dict[str, int]) -> ReplicaLoad:
+    def _ember_loads(self, replicas: list[RunningReplica]) -> list[ReplicaLoad]:
         # What this router sent, not Serve's queue-length cache: that cache is set from the
         # replica's count at acceptance, which for a fast request arrives after its
         # completion was counted, and leaves the replica a request or more too long for
         # seconds (measured). Serve still skips a replica that is full.
-        name = replica.replica_id.unique_id
-        warm = bool((replica.routing_stats or {}).get("warm", True))
-        return ReplicaLoad(name, sent.get(name, 0), warm)
+        sent, held = self._ember_inflight.counts(), self._ember_inflight.adapters()
+        loads = []
+        for replica in replicas:
+            name = replica.replica_id.unique_id
+            warm = bool((replica.routing_stats or {}).get("warm", True))
+            adapters = frozenset(replica.multiplexed_model_ids) | held.get(name, frozenset())
+            loads.append(ReplicaLoad(name, sent.get(name, 0), warm, adapters))
+        return loads
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
@@ -104,21 +122,23 @@ class PrefixRouter(RequestRouter):
         replicas = list(candidate_replicas)
         random.shuffle(replicas)  # ties between equally loaded replicas: spread them
         self._ember_forget_gone(replicas)
-        sent = self._ember_inflight.counts()
-        loads = [self._ember_load(r, sent) for r in replicas]
-        choice = choose(self._ember_blocks(pending_request), self._ember_table, loads,
-                        max_queue_gap=self._ember_gap)
+        loads, adapter = self._ember_loads(replicas), model_id(pending_request)
+        blocks = [] if adapter is not None else self._ember_blocks(pending_request)
+        choice = choose(blocks, self._ember_table, loads, max_queue_gap=self._ember_gap,
+                        adapter=adapter)
         if choice is None:
             return []
         if pending_request is not None:
             self._ember_inflight.chosen(pending_request.metadata.internal_request_id,
-                                        choice.replica)
-        queue = {load.replica: load.queue_len for load in loads}
+                                        choice.replica, adapter)
+        # If the choice is full, Serve tries the rest in order: holders of the adapter
+        # first, then by queue.
+        rank = {load.replica: (adapter not in load.adapters, load.queue_len) for load in loads}
         chosen = [r for r in replicas if r.replica_id.unique_id == choice.replica]
         rest = sorted((r for r in replicas if r.replica_id.unique_id != choice.replica),
-                      key=lambda r: queue[r.replica_id.unique_id])
-        logger.debug("prefix router: %s (%s, %d blocks)", choice.replica, choice.reason,
-                     choice.matched_blocks)
+                      key=lambda r: rank[r.replica_id.unique_id])
+        logger.debug("prefix router: %s (%s, %d blocks, adapter %s)", choice.replica,
+                     choice.reason, choice.matched_blocks, adapter)
         return [chosen, rest] if rest else [chosen]
 
     def _ember_forget_gone(self, replicas: list[RunningReplica]) -> None:
@@ -130,10 +150,12 @@ class PrefixRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        """The replica took the request: it will hold the prompt's blocks."""
+        """The replica took the request: it will hold the prompt's blocks (or its adapter)."""
         name, request_id = replica_id.unique_id, pending_request.metadata.internal_request_id
-        self._ember_table.record(self._ember_blocks(pending_request), name)
-        self._ember_inflight.routed(request_id, name)
+        adapter = model_id(pending_request)
+        if adapter is None:  # an adapter's rows leave nothing in the prefix cache
+            self._ember_table.record(self._ember_blocks(pending_request), name)
+        self._ember_inflight.routed(request_id, name, adapter)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request finished (or was refused): it no longer counts in the load."""

@@ -14,6 +14,15 @@ parent's name). A :class:`PrefixTable` remembers, LRU-bounded, which replicas re
 which blocks. A prefix no replica holds yet gets a "home" by rendezvous hashing, so several
 edges, each with its own table, agree on where a new prefix goes without sharing state.
 
+A request for a LoRA adapter (Ray Serve's multiplexed model id) is routed by the adapter
+alone: to the least loaded qualifying replica that holds it, else to the qualifying replica
+holding the fewest adapters (ties: the adapter's rendezvous home), so adapters spread over
+the replicas and each is loaded once. Its prompt plays no part: the engine's prefix cache
+holds the base model's keys and values only, so an adapter request neither finds nor leaves
+blocks there, while landing away from its adapter costs a fetch, a load and the memory of a
+second copy. The same capacity rule holds: a cold or overloaded holder is passed over, and
+the replica that takes the request then loads the adapter too.
+
 Example:
     >>> table = PrefixTable()
     >>> blocks = block_names(list(b"You are a helpful assistant. Answer briefly."), 16)
@@ -75,9 +84,12 @@ class ReplicaLoad:
     queue_len: int
     #: False while the replica reports it is not warm (its caches are empty or reloading).
     warm: bool = True
+    #: LoRA adapters it holds: those it reported, and those of requests sent to it and not
+    #: yet finished (a replica never evicts an adapter a request still holds).
+    adapters: frozenset[str] = frozenset()
 
 
-Reason = Literal["prefix", "home", "least_loaded"]
+Reason = Literal["prefix", "home", "adapter", "adapter_home", "least_loaded"]
 
 
 @dataclass(frozen=True)
@@ -146,25 +158,26 @@ class InFlight:
     its own choices in the count the router would send the whole burst to one replica. A
     choice never confirmed stops counting after ``choice_ttl_s``. Finishing may be reported
     before acceptance (Serve does so for fast requests); such ids are remembered (the last
-    ``kept``) so the late acceptance does not count a finished request for ever.
+    ``kept``) so the late acceptance does not count a finished request for ever. A request
+    for an adapter also says the replica holds that adapter while it runs.
     """
 
     def __init__(self, *, choice_ttl_s: float = 5.0, kept: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.choice_ttl_s, self.kept, self.clock = choice_ttl_s, kept, clock
-        self._requests: dict[str, tuple[str, float]] = {}  # id -> (replica, counts until)
+        self._requests: dict[str, _Sent] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
 
-    def chosen(self, request_id: str, replica: str) -> None:
+    def chosen(self, request_id: str, replica: str, adapter: str | None = None) -> None:
         """``replica`` was chosen for the request; it may still go elsewhere."""
-        self._requests[request_id] = (replica, self.clock() + self.choice_ttl_s)
+        self._requests[request_id] = _Sent(replica, self.clock() + self.choice_ttl_s, adapter)
 
-    def routed(self, request_id: str, replica: str) -> None:
+    def routed(self, request_id: str, replica: str, adapter: str | None = None) -> None:
         """``replica`` accepted the request: it counts until it finishes."""
         if request_id in self._finished:  # it finished before its acceptance was reported
             del self._finished[request_id]
             return
-        self._requests[request_id] = (replica, math.inf)
+        self._requests[request_id] = _Sent(replica, math.inf, adapter)
 
     def finished(self, request_id: str) -> None:
         """The request finished, failed or was refused."""
@@ -173,18 +186,37 @@ class InFlight:
         while len(self._finished) > self.kept:
             self._finished.popitem(last=False)
 
+    def _live(self) -> list[_Sent]:
+        now = self.clock()
+        for request_id, sent in list(self._requests.items()):
+            if sent.until < now:
+                del self._requests[request_id]
+        return list(self._requests.values())
+
     def counts(self) -> dict[str, int]:
         """Replica -> requests it has; expired choices are dropped."""
-        now, out = self.clock(), dict[str, int]()
-        for request_id, (replica, until) in list(self._requests.items()):
-            if until < now:
-                del self._requests[request_id]
-            else:
-                out[replica] = out.get(replica, 0) + 1
+        out = dict[str, int]()
+        for sent in self._live():
+            out[sent.replica] = out.get(sent.replica, 0) + 1
         return out
 
+    def adapters(self) -> dict[str, frozenset[str]]:
+        """Replica -> adapters its requests in flight hold."""
+        out = dict[str, set[str]]()
+        for sent in self._live():
+            if sent.adapter is not None:
+                out.setdefault(sent.replica, set()).add(sent.adapter)
+        return {replica: frozenset(names) for replica, names in out.items()}
 
-def rendezvous(key: int, replicas: Sequence[str]) -> list[str]:
+
+@dataclass(frozen=True)
+class _Sent:
+    replica: str
+    until: float  # counts until then (inf once accepted)
+    adapter: str | None
+
+
+def rendezvous(key: int | str, replicas: Sequence[str]) -> list[str]:
     """``replicas`` ordered by highest-random-weight for ``key``: the first is its home.
 
     Every process computes the same order from the same replica names, and removing a
@@ -197,15 +229,18 @@ def rendezvous(key: int, replicas: Sequence[str]) -> list[str]:
 
 
 def choose(blocks: Sequence[int], table: PrefixTable, replicas: Sequence[ReplicaLoad], *,
-           max_queue_gap: int) -> Choice | None:
+           max_queue_gap: int, adapter: str | None = None) -> Choice | None:
     """Pick the replica for a prompt made of ``blocks``; None when there is none.
 
-    The replica holding the longest matched prefix wins unless it is cold or its queue is
-    more than ``max_queue_gap`` longer than the least-loaded replica's (then the next
-    holder, by matched length); a prefix no replica holds goes to its rendezvous home among
-    the replicas that qualify; otherwise, or for a prompt shorter than a block, the least
-    loaded of the warm replicas within the gap (a cold one only when no warm one is; ties:
-    the first in ``replicas``).
+    A replica qualifies when it is warm and its queue is at most ``max_queue_gap`` longer
+    than the least-loaded replica's. With ``adapter`` (a LoRA adapter's name) the prompt is
+    not looked at: the least loaded qualifying holder of the adapter wins, else the
+    qualifying replica with the fewest adapters (ties: the adapter's rendezvous order).
+    Without, the qualifying replica holding the longest matched prefix wins (by matched
+    length, then queue); a prefix no replica holds goes to its rendezvous home among the
+    qualifying replicas. Otherwise, or for a prompt shorter than a block, the least loaded
+    of the warm replicas within the gap (a cold one only when no warm one is; ties: the
+    first in ``replicas``).
     """
     if not replicas:
         return None
@@ -217,21 +252,40 @@ def choose(blocks: Sequence[int], table: PrefixTable, replicas: Sequence[Replica
     # For load alone a warm replica within the gap goes before a cold one: queue lengths are
     # a request or two stale, and a cold replica must not win on that.
     least = min((r for r in replicas if within_gap(r)), key=lambda r: (not r.warm, r.queue_len))
+    qualified = [r for r in replicas if r.warm and within_gap(r)]
+    if adapter is not None:
+        chosen = _by_adapter(adapter, replicas, qualified)
+    else:
+        chosen = _by_prefix(blocks, table, replicas, qualified)
+    return chosen or Choice(least.replica, "least_loaded")
 
-    def qualifies(r: ReplicaLoad) -> bool:
-        return r.warm and within_gap(r)
 
+def _by_adapter(adapter: str, replicas: Sequence[ReplicaLoad],
+                qualified: list[ReplicaLoad]) -> Choice | None:
+    """The least loaded qualified holder of ``adapter``, else the adapter's new home."""
+    rank = {name: i for i, name in enumerate(rendezvous(adapter, [r.replica for r in replicas]))}
+    holders = [r for r in qualified if adapter in r.adapters]
+    if holders:
+        return Choice(min(holders, key=lambda r: (r.queue_len, rank[r.replica])).replica,
+                      "adapter")
+    if qualified:  # fewest adapters first: adapters spread, and each is loaded once
+        return Choice(min(qualified, key=lambda r: (len(r.adapters), rank[r.replica])).replica,
+                      "adapter_home")
+    return None
+
+
+def _by_prefix(blocks: Sequence[int], table: PrefixTable, replicas: Sequence[ReplicaLoad],
+               qualified: list[ReplicaLoad]) -> Choice | None:
+    """The qualified replica with the longest match, else the prefix's qualified home."""
     by_name = {r.replica: r for r in replicas}
+    ok = {r.replica for r in qualified}
     depth = {name: d for name, d in table.matched(blocks).items() if name in by_name}
     if depth:
         order = rendezvous(blocks[0], list(depth))
         ranked = sorted(order, key=lambda n: (-depth[n], by_name[n].queue_len))
-        for name in ranked:
-            if qualifies(by_name[name]):
-                return Choice(name, "prefix", depth[name])
-        return Choice(least.replica, "least_loaded")
+        name = next((n for n in ranked if n in ok), None)
+        return None if name is None else Choice(name, "prefix", depth[name])
     if blocks:
-        for name in rendezvous(blocks[0], list(by_name)):
-            if qualifies(by_name[name]):
-                return Choice(name, "home")
-    return Choice(least.replica, "least_loaded")
+        name = next((n for n in rendezvous(blocks[0], list(by_name)) if n in ok), None)
+        return None if name is None else Choice(name, "home")
+    return None

@@ -83,6 +83,21 @@ def served_model() -> tuple[str | None, str]:
     return model, Path(model).name
 
 
+def replica_bounds(config: settings.Settings | None = None) -> tuple[int, int]:
+    """TextGen's warm floor and most replicas, from ``EMBER_TEXTGEN_WARM_FLOOR`` and
+    ``EMBER_TEXTGEN_MAX_REPLICAS`` (defaults 0 and 1: one replica, scaled to zero).
+
+    Raises:
+        ConfigError: the floor is above the most replicas (both variables named).
+    """
+    config = config or settings.load()
+    floor, most = config.textgen_warm_floor, config.textgen_max_replicas
+    if floor > most:
+        raise ConfigError(f"{settings.variable('textgen_warm_floor')}={floor} is above "
+                          f"{settings.variable('textgen_max_replicas')}={most}")
+    return floor, most
+
+
 def chat_prompt(messages: list[Any]) -> str:
     """The plain-text chat template of the byte model: one ``role: content`` line per turn."""
     turns = [f"{m.role}: {m.content}" for m in messages]
@@ -193,12 +208,17 @@ ENGINE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192, max_waiting_
                       name="TextGen")
 
 
+#: TextGen's warm floor and most replicas (read where the app is built).
+WARM_FLOOR, MAX_REPLICAS = replica_bounds()
+
+
 # max_ongoing_requests covers the running batch and the engine's waiting line, so the engine
 # decides admission (503 with Retry-After) and Ray's own queue only holds the overflow.
-# With more than one replica, prompts sharing a prefix go where its blocks are cached.
-@ember.deployment(name="TextGen", warm_floor=0, max_replicas=1, num_cpus=1, router="prefix",
-                  max_ongoing_requests=96, max_queue=64, target_queue_depth=64,
-                  scaledown_after_s=300, request_timeout_s=300)
+# With more than one replica, prompts sharing a prefix go where its blocks are cached and
+# requests for a LoRA adapter where it is loaded (ember.control.prefix_routing).
+@ember.deployment(name="TextGen", warm_floor=WARM_FLOOR, max_replicas=MAX_REPLICAS,
+                  num_cpus=1, router="prefix", max_ongoing_requests=96, max_queue=64,
+                  target_queue_depth=64, scaledown_after_s=300, request_timeout_s=300)
 class TextGen:
     """One continuous-batching engine per replica."""
 

@@ -1,5 +1,6 @@
 """A stream for a LoRA adapter carries Ray Serve's multiplexed model id, so Serve's router
-sends it to a replica holding the adapter; a stream for the base carries none."""
+sends it to a replica holding the adapter; a stream for the base carries none. TextGen's
+replica count comes from the environment, one replica by default."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ember.app.decorator import RouteSpec
+import pytest
+
+from ember import settings
+from ember.app.decorator import RouteSpec, get_spec
 from ember.deployments import textgen
 from ember.edge._dispatch import Dispatcher
 from ember.edge._metrics import Metrics
 from ember.edge._state import LoadTracker
+from ember.errors import ConfigError
 
 
 class _Stream:
@@ -68,3 +73,18 @@ def test_an_adapter_stream_carries_the_multiplexed_model_id_and_a_base_one_none(
     asyncio.run(run(None))
     streams = [s for s in handle.sent if s.get("method_name") == "ember_stream"]
     assert [s.get("multiplexed_model_id") for s in streams] == ["sql", None]
+
+
+def test_textgen_runs_one_replica_scaled_to_zero_unless_told_otherwise() -> None:
+    options = get_spec(textgen.TextGen).options
+    assert (options.warm_floor, options.max_replicas, options.router) == (0, 1, "prefix")
+    assert textgen.replica_bounds(settings.load({})) == (0, 1)
+    assert textgen.replica_bounds(settings.load({
+        "EMBER_TEXTGEN_MAX_REPLICAS": "4", "EMBER_TEXTGEN_WARM_FLOOR": "2"})) == (2, 4)
+
+
+def test_a_textgen_floor_above_its_most_replicas_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError, match=r"EMBER_TEXTGEN_WARM_FLOOR=3 is above "
+                                          r"EMBER_TEXTGEN_MAX_REPLICAS=2"):
+        textgen.replica_bounds(settings.load({"EMBER_TEXTGEN_MAX_REPLICAS": "2",
+                                              "EMBER_TEXTGEN_WARM_FLOOR": "3"}))
