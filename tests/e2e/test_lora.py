@@ -15,6 +15,8 @@ from harness import EmberRun
 pytest.importorskip("peft")
 
 PROMPT, TOKENS = "hello", 8
+# 45 characters, one token each: two full 16-token prefix-cache blocks and more.
+SHARED = "You are a careful assistant. Answer briefly. "
 
 
 async def _complete(client: openai.AsyncOpenAI, model: str) -> tuple[str, str | None]:
@@ -27,6 +29,14 @@ async def _complete(client: openai.AsyncOpenAI, model: str) -> tuple[str, str | 
     return str(reply.choices[0].text), raw.headers.get("x-ember-cold-start")
 
 
+async def _cached(client: openai.AsyncOpenAI, model: str, prompt: str) -> tuple[str, int]:
+    """A greedy completion's text and the prompt tokens it found in the prefix cache."""
+    reply = await client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return str(reply.choices[0].text), int(reply.usage.prompt_tokens_details.cached_tokens or 0)
+
+
 @pytest.mark.slow
 def test_two_adapters_and_the_base_through_the_official_client(tmp_path: Path) -> None:
     dirs = lora_models.model_dirs(tmp_path / "models")
@@ -35,6 +45,9 @@ def test_two_adapters_and_the_base_through_the_official_client(tmp_path: Path) -
                           skip_special_tokens=True)
             for model, name in (("sql", "a"), ("chat", "b"), ("base", None))}
     assert len(set(want.values())) == 3  # each adapter changes the output
+    shared = [("sql", "a", "one?"), ("sql", "a", "two?"), ("chat", "b", "two?")]
+    want_shared = [decode(lora_models.reference(dirs, name, SHARED + q, TOKENS),
+                          skip_special_tokens=True) for _, name, q in shared]
     adapters = ",".join(f"{m}={dirs[n].as_uri()}" for m, n in
                         (("sql", "a"), ("chat", "b"), ("wrong", "other")))
     env = {"EMBER_TEXTGEN_MODEL": str(dirs["base"]), "EMBER_TEXTGEN_ADAPTERS": adapters,
@@ -60,5 +73,9 @@ def test_two_adapters_and_the_base_through_the_official_client(tmp_path: Path) -
                                          _complete(client, "base"))
             assert [text for text, _ in again] == [want["sql"], want["chat"], want["base"]]
             assert not any("adapter=" in (header or "") for _, header in again), again
+            # The second "sql" prompt starts from the first's blocks (SHARED's two); "chat"
+            # with the very same prompt as the second finds none of them.
+            got = [await _cached(client, m, SHARED + q) for m, _, q in shared]
+            assert got == list(zip(want_shared, [0, 32, 0], strict=True)), run.tail()
 
         asyncio.run(scenario())

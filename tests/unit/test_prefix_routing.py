@@ -164,7 +164,7 @@ def test_the_router_names_blocks_as_the_engines_prefix_cache_does(length: int) -
     cache = PrefixCache(block_tokens=16, max_blocks=8)
     kv = [torch.zeros(1, 1, length, 2)]
     cache.insert(tokens, kv, kv)
-    assert list(cache._blocks) == block_names(tokens, 16)  # the very same names
+    assert list(cache._blocks) == [(None, name) for name in block_names(tokens, 16)]
 
 
 def test_text_blocks_are_the_byte_tokens_blocks() -> None:

@@ -17,11 +17,11 @@ edges, each with its own table, agree on where a new prefix goes without sharing
 A request for a LoRA adapter (Ray Serve's multiplexed model id) is routed by the adapter
 alone: to the least loaded qualifying replica that holds it, else to the qualifying replica
 holding the fewest adapters (ties: the adapter's rendezvous home), so adapters spread over
-the replicas and each is loaded once. Its prompt plays no part: the engine's prefix cache
-holds the base model's keys and values only, so an adapter request neither finds nor leaves
-blocks there, while landing away from its adapter costs a fetch, a load and the memory of a
-second copy. The same capacity rule holds: a cold or overloaded holder is passed over, and
-the replica that takes the request then loads the adapter too.
+the replicas and each is loaded once. Its prompt plays no part: a replica keys its prefix
+cache by adapter, so an adapter's blocks are where the adapter is, and landing away from its
+adapter costs a fetch, a load and the memory of a second copy. The same capacity rule
+holds: a cold or overloaded holder is passed over, and the replica that takes the request
+then loads the adapter too.
 
 Example:
     >>> table = PrefixTable()

@@ -2,8 +2,11 @@
 
 The model is loaded from a local directory with ``local_files_only=True`` (nothing is ever
 downloaded). Prompts admitted at one step are prefilled together, laid end to end in one
-forward (``_textgen_pack``), except those that start from a cached prefix; decode steps run
-every running sequence in one forward over a :class:`SlotTable` (``_textgen_slots``).
+forward (``_textgen_pack``), except those that start from a cached prefix or run with a
+LoRA adapter; decode steps run every running sequence in one forward over a
+:class:`SlotTable` (``_textgen_slots``). The prefix cache serves the base and every adapter,
+each from blocks computed under it alone (``_textgen_prefix``: an adapter's blocks are keyed
+by its load, and dropped when it is evicted).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from ember.deployments._textgen_backend import Backend, Detokenizer
 from ember.deployments._textgen_lora import LoraAdapters
 from ember.deployments._textgen_pack import groups, pack
-from ember.deployments._textgen_prefix import PrefixCache, joined
+from ember.deployments._textgen_prefix import PrefixCache, Space, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
 
 
@@ -61,7 +64,23 @@ class TransformersBackend(Backend):
         #: Prompt blocks already computed (None: every prompt is computed in full).
         self.prefix = PrefixCache(max_blocks=prefix_blocks) if prefix_blocks else None
         #: LoRA adapters rows may name (``_textgen_lora``); every row is the base without.
-        self.lora = LoraAdapters(self.model, base_name=str(model.config.name_or_path))
+        self.lora = LoraAdapters(self.model, base_name=str(model.config.name_or_path),
+                                 on_remove=self._forget)
+
+    def _forget(self, space: Space) -> None:
+        """Drop an evicted adapter's prefix blocks: nothing will ask for them again."""
+        if self.prefix is not None:
+            self.prefix.drop(space)
+
+    def _space(self, adapter: str | None) -> Space:
+        """Where a row's keys/values are computed: the base, or this load of its adapter."""
+        return None if adapter is None else self.lora.identity(adapter)
+
+    def _match(self, tokens: list[int], adapter: str | None) -> list[Any]:
+        """The cached blocks ``tokens`` start with, computed under ``adapter`` (None: base)."""
+        if self.prefix is None:
+            return []
+        return self.prefix.match(tokens, space=self._space(adapter))
 
     @classmethod
     def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:
@@ -97,9 +116,7 @@ class TransformersBackend(Backend):
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: list[int], *, adapter: str | None = None
                 ) -> torch.Tensor:
-        # The prefix cache holds the base's keys/values: an adapter's differ.
-        hits = self.prefix.match(tokens) if self.prefix is not None and not adapter else []
-        return self._prefill_after(slot, tokens, hits, adapter)
+        return self._prefill_after(slot, tokens, self._match(tokens, adapter), adapter)
 
     @torch.inference_mode()
     def prefill_many(self, slots: list[int], prompts: list[list[int]], *,
@@ -111,7 +128,7 @@ class TransformersBackend(Backend):
         cold: list[int] = []
         for i, tokens in enumerate(prompts):
             adapter = adapters[i] if adapters else None
-            hits = self.prefix.match(tokens) if self.prefix is not None and not adapter else []
+            hits = self._match(tokens, adapter)
             if hits or adapter:
                 out[i] = (self._prefill_after(slots[i], tokens, hits, adapter),
                           self.cached_tokens)
@@ -135,7 +152,7 @@ class TransformersBackend(Backend):
         self.cached_tokens = done
         out = self._forward([adapter], input_ids=torch.tensor([tokens[done:]]), use_cache=True,
                             **{self._cache_kw: cache}, **self._last_only)
-        self._keep(slot, tokens, cache, slice(None), remember=adapter is None)
+        self._keep(slot, tokens, cache, slice(None), space=self._space(adapter))
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
 
@@ -156,15 +173,15 @@ class TransformersBackend(Backend):
         return logits.float()
 
     def _keep(self, slot: int, tokens: list[int], cache: Any, cut: slice, *,
-              remember: bool = True) -> None:
-        """Copy one prompt's keys/values (columns ``cut`` of ``cache``) into ``slot`` and, if
-        ``remember`` (the base's, not an adapter's), into the prefix cache."""
+              space: Space = None) -> None:
+        """Copy one prompt's keys/values (columns ``cut`` of ``cache``) into ``slot`` and into
+        the prefix cache, under ``space`` (the base's or an adapter load's)."""
         layers: list[Any] = list(cache.layers[:self.n_layers])
         keys = [la.keys[:, :, cut] for la in layers]
         values = [la.values[:, :, cut] for la in layers]
         self._table().place(slot, keys, values)
-        if self.prefix is not None and remember:
-            self.prefix.insert(tokens, keys, values)
+        if self.prefix is not None:
+            self.prefix.insert(tokens, keys, values, space=space)
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], *,

@@ -12,6 +12,9 @@ name different adapters (or none) in one forward: peft's mixed-batch inference
 (``adapter_names``), which adds each group's ``B @ A`` delta to its own rows only. Before
 anything is loaded or evicted, an adapter is checked against the base: every LoRA matrix
 must fit the module it targets, else the request is a 400 and the store is untouched.
+Each load of an adapter gets a new generation (``identity``): what was computed under one
+load (prefix-cache blocks) is keyed by it, so a name loaded again with other weights never
+meets it, and ``on_remove`` hears of each removal to drop it at once.
 
 Example:
     >>> store = AdapterStore(2, load=lambda name: name.upper(), unload=lambda n, v: None)
@@ -23,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -179,8 +183,14 @@ def mismatches(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> l
 class LoraAdapters:
     """Adapters put into one ``transformers`` model by peft; rows pick theirs per forward."""
 
-    def __init__(self, model: torch.nn.Module, *, base_name: str = "base") -> None:
+    def __init__(self, model: torch.nn.Module, *, base_name: str = "base",
+                 on_remove: Callable[[tuple[str, int]], None] | None = None) -> None:
         self.base, self.base_name = model, base_name
+        #: Told each removed adapter's identity, after it left the model.
+        self.on_remove = on_remove
+        self._generations = itertools.count(1)
+        #: The generation of each adapter's current load (see ``identity``).
+        self._loaded: dict[str, int] = {}
         self.peft: Any = None  # a PeftModel once the first adapter is in
         #: What the LoRA layers are set for now (see ``rows``); unknown after a change.
         self._layers: str | None = _UNKNOWN
@@ -227,10 +237,23 @@ class LoraAdapters:
                 raise
             self.peft.eval()
             self._hook_layers()
+            self._loaded[name] = next(self._generations)
+
+    def identity(self, name: str) -> tuple[str, int]:
+        """``name`` and the generation of its current load: a load's own key for what was
+        computed under it (a reload, even from other weights, gets a new one).
+
+        Raises:
+            KeyError: ``name`` is not loaded.
+        """
+        return name, self._loaded[name]
 
     def remove(self, name: str) -> None:
         with self.lock:
             self._delete(name)
+            gone = self._loaded.pop(name, None)
+        if gone is not None and self.on_remove is not None:
+            self.on_remove((name, gone))
 
     def _delete(self, name: str) -> None:
         if self.peft is not None and name in self.peft.peft_config:

@@ -8,14 +8,24 @@ starts with its chain; its reference count is the number of cached blocks that e
 and only unreferenced blocks (leaves) are evicted, least recently used first, when more than
 ``max_blocks`` are held.
 
+Keys and values computed under a LoRA adapter are not the base's, nor another adapter's, so
+every block also carries the *space* it was computed in: None for the base, an adapter's
+load identity (its name and the load's generation, ``_textgen_lora``) for an adapter. A
+lookup only ever finds blocks of its own space; every space shares the one LRU and its
+limit. ``drop`` forgets a space at once (an evicted adapter's blocks), and a reloaded
+adapter has a new generation, so its lookups could not find the old load's blocks anyway.
+
 Example:
     >>> cache = PrefixCache(block_tokens=2, max_blocks=8)
     >>> cache.match([1, 2, 3, 4, 5])
+    []
+    >>> cache.match([1, 2, 3, 4, 5], space=("sql", 1))
     []
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,13 +33,19 @@ import torch
 
 from ember.control.prefix_routing import block_names
 
+#: Where a block's keys/values were computed: None for the base, else an adapter's load
+#: (its name and the generation of that load).
+Space = tuple[str, int] | None
+#: A block's key: its space and its name in the hash chain.
+Key = tuple[Space, int]
+
 
 @dataclass(eq=False)
 class Block:
     """One block's keys and values, ``[H, block_tokens, D]`` per layer."""
 
-    key: int
-    parent: int | None
+    key: Key
+    parent: Key | None
     #: The block's own tokens: a hash collision must not pass for a hit.
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]
@@ -43,7 +59,9 @@ class PrefixCache:
 
     def __init__(self, *, block_tokens: int = 16, max_blocks: int = 1024) -> None:
         self.block_tokens, self.max_blocks = block_tokens, max_blocks
-        self._blocks: OrderedDict[int, Block] = OrderedDict()
+        self._blocks: OrderedDict[Key, Block] = OrderedDict()
+        # ``drop`` comes from the thread that evicts an adapter, while a step may look up.
+        self._lock = threading.Lock()
         #: Prompt tokens looked up and found, for the hit rate in ``/metrics``.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -51,41 +69,55 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _names(self, tokens: list[int], blocks: int) -> list[int]:
-        # The prefix router names a prompt's blocks with the same function.
-        return block_names(tokens, self.block_tokens, blocks)
+    def spaces(self) -> set[Space]:
+        """The spaces that hold blocks now (None: the base's)."""
+        with self._lock:
+            return {space for space, _ in self._blocks}
 
-    def match(self, tokens: list[int]) -> list[Block]:
-        """The longest chain of cached blocks that starts ``tokens``, leaving at least one
-        token to compute (the prefill must produce the next token's logits)."""
-        self.queried_tokens += len(tokens)
+    def _keys(self, tokens: list[int], blocks: int, space: Space) -> list[Key]:
+        # The prefix router names a prompt's blocks with the same function.
+        return [(space, name) for name in block_names(tokens, self.block_tokens, blocks)]
+
+    def match(self, tokens: list[int], *, space: Space = None) -> list[Block]:
+        """The longest chain of blocks cached in ``space`` that starts ``tokens``, leaving at
+        least one token to compute (the prefill must produce the next token's logits)."""
         found: list[Block] = []
         size = self.block_tokens
-        for i, name in enumerate(self._names(tokens, (len(tokens) - 1) // size)):
-            block = self._blocks.get(name)
-            if block is None or block.tokens != tuple(tokens[i * size:(i + 1) * size]):
-                break
-            self._blocks.move_to_end(name)
-            found.append(block)
-        self.hit_tokens += len(found) * self.block_tokens
+        with self._lock:
+            self.queried_tokens += len(tokens)
+            for i, key in enumerate(self._keys(tokens, (len(tokens) - 1) // size, space)):
+                block = self._blocks.get(key)
+                if block is None or block.tokens != tuple(tokens[i * size:(i + 1) * size]):
+                    break
+                self._blocks.move_to_end(key)
+                found.append(block)
+            self.hit_tokens += len(found) * self.block_tokens
         return found
 
     def insert(self, tokens: list[int], keys: list[torch.Tensor],
-               values: list[torch.Tensor]) -> None:
-        """Remember every full block of ``tokens``; ``keys``/``values``: ``[1, H, n, D]``."""
+               values: list[torch.Tensor], *, space: Space = None) -> None:
+        """Remember every full block of ``tokens``, computed in ``space``;
+        ``keys``/``values``: ``[1, H, n, D]``."""
         size, parent = self.block_tokens, None
-        for i, name in enumerate(self._names(tokens, len(tokens) // size)):
-            if name in self._blocks:
-                self._blocks.move_to_end(name)
-            else:
-                cut = slice(i * size, (i + 1) * size)
-                self._blocks[name] = Block(name, parent, tuple(tokens[cut]),
-                                           [k[0, :, cut].clone() for k in keys],
-                                           [v[0, :, cut].clone() for v in values])
-                if parent is not None:
-                    self._blocks[parent].refs += 1
-            parent = name
-        self._evict()
+        with self._lock:
+            for i, key in enumerate(self._keys(tokens, len(tokens) // size, space)):
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+                else:
+                    cut = slice(i * size, (i + 1) * size)
+                    self._blocks[key] = Block(key, parent, tuple(tokens[cut]),
+                                              [k[0, :, cut].clone() for k in keys],
+                                              [v[0, :, cut].clone() for v in values])
+                    if parent is not None:
+                        self._blocks[parent].refs += 1
+                parent = key
+            self._evict()
+
+    def drop(self, space: Space) -> None:
+        """Forget every block of ``space`` (chains never cross spaces: no other count moves)."""
+        with self._lock:
+            for key in [k for k in self._blocks if k[0] == space]:
+                del self._blocks[key]
 
     def _evict(self) -> None:
         while len(self._blocks) > self.max_blocks:

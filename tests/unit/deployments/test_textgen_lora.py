@@ -1,6 +1,8 @@
 """LoRA adapters over one base: the engine's greedy tokens are peft's ``generate()``'s, for
-an adapter alone and for base and two adapters mixed in one batch; the store's LRU never
-evicts an adapter a request holds, and an adapter for another base is refused untouched."""
+an adapter alone and for base and two adapters mixed in one batch, also when an adapter row
+starts from the prefix cache; a row only ever hits blocks computed under its own adapter
+load; the store's LRU never evicts an adapter a request holds, and an adapter for another
+base is refused untouched."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_lora import AdapterStore, fetch
+from ember.deployments._textgen_prefix import PrefixCache
 from ember.deployments._textgen_sampling import SamplingParams
 from ember.errors import BadRequest
 
@@ -27,6 +31,8 @@ _hf = pytest.importorskip("ember.deployments._textgen_hf")
 
 PROMPTS = ["hello", "a", "the end of the line", "xyz", "0123456789 abcdefghij", "Qq"]
 LENGTHS = [7, 12, 3, 9, 15, 5]
+# 45 characters, one token each: two full 16-token blocks and more.
+SHARED = "You are a careful assistant. Answer briefly. "
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +89,121 @@ def test_base_and_two_adapters_in_one_batch_equal_peft_generate(dirs: dict[str, 
     backend = _backend(dirs, "a", "b")
     got = asyncio.run(_run(backend, rows))
     assert got == [lora_models.reference(dirs, k, p, n) for k, p, n in rows]
-    # the base rows never took or left prefix blocks computed under an adapter
-    assert backend.prefix.queried_tokens == sum(len(p) for k, p, _ in rows if k is None)
+    # every row looked up the prefix cache; none shares a block with another of its kind
+    assert backend.prefix.queried_tokens == sum(len(p) for _, p, _ in rows)
+    assert backend.prefix.hit_tokens == 0
+
+
+async def _one(engine: Engine, adapter: str | None, prompt: str, n: int
+               ) -> tuple[list[int], int]:
+    """One greedy request's tokens and the prompt tokens it found in the prefix cache."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    chunks = [c async for c in engine.generate(engine.backend.encode(prompt), params,
+                                               adapter=adapter)]
+    return [t for c in chunks for t in c.token_ids], chunks[-1].cached_tokens
+
+
+def test_an_adapter_row_hits_only_blocks_of_its_adapter_and_still_equals_peft_generate(
+        dirs: dict[str, Path]) -> None:
+    # A long base row runs throughout. The first "a" row leaves SHARED's blocks; then, in
+    # one batch with the base row, a second "a" row sharing them hits, while a "b" row and
+    # a base row with the very same prompt as the first "a" row must not.
+    backend = _backend(dirs, "a", "b")
+    steps: list[set[str | None]] = []
+    decode = backend.decode
+
+    def recording(slots: list[int], tokens: list[int], *,
+                  adapters: list[str | None] | None = None) -> Any:
+        steps.append(set(adapters or [None]))
+        return decode(slots, tokens, adapters=adapters)
+
+    backend.decode = recording
+    first: list[tuple[str | None, str, int]] = [(None, "the end of the line", 40),
+                                                ("a", SHARED + "one?", 3)]
+    then: list[tuple[str | None, str, int]] = [
+        ("a", SHARED + "two, longer?", 12), ("b", SHARED + "one?", 10),
+        (None, SHARED + "one?", 8)]
+
+    async def scenario() -> list[tuple[list[int], int]]:
+        engine, filled = Engine(backend, EngineConfig(max_num_seqs=4)), asyncio.Event()
+
+        async def filling() -> tuple[list[int], int]:
+            try:
+                return await _one(engine, *first[1])
+            finally:
+                filled.set()
+
+        async def after(row: tuple[str | None, str, int]) -> tuple[list[int], int]:
+            await filled.wait()
+            return await _one(engine, *row)
+
+        try:
+            return list(await asyncio.gather(_one(engine, *first[0]), filling(),
+                                             *(after(row) for row in then)))
+        finally:
+            await engine.close()
+
+    results, rows = asyncio.run(scenario()), [*first, *then]
+    assert [tokens for tokens, _ in results] == [
+        lora_models.reference(dirs, k, p, n) for k, p, n in rows]
+    # Only the second "a" row hits: SHARED's two full blocks, computed under "a".
+    assert [cached for _, cached in results] == [0, 0, 32, 0, 0]
+    assert backend.prefix.hit_tokens == 32
+    assert backend.prefix.queried_tokens == sum(len(p) for _, p, _ in rows)
+    assert {None, "a", "b"} in steps  # the hit row decoded in one batch with base and "b"
+
+
+def test_an_evicted_adapter_loaded_again_with_other_weights_never_meets_its_old_blocks(
+        dirs: dict[str, Path]) -> None:
+    from ember.deployments.textgen import Generator
+
+    backend = _hf.TransformersBackend.from_directory(dirs["base"])
+    backend.eos_token_id = None
+    generator = Generator(backend, EngineConfig(max_num_seqs=2), max_adapters=1,
+                          adapters={"x": dirs["a"].as_uri(), "y": dirs["b"].as_uri()})
+
+    async def ask(adapter: str, prompt: str) -> tuple[list[int], int]:
+        await generator.acquire(adapter)  # as a request does: held while it runs
+        try:
+            return await _one(generator.engine, adapter, prompt, 5)
+        finally:
+            generator.store.release(adapter)
+
+    async def scenario() -> list[tuple[list[int], int]]:
+        try:
+            out = [await ask("x", SHARED + "one?"), await ask("x", SHARED + "two?")]
+            loaded = backend.lora.identity("x")
+            assert loaded in backend.prefix.spaces()
+            out.append(await ask("y", SHARED + "one?"))  # one adapter per replica: x goes
+            assert backend.prefix.spaces() == {backend.lora.identity("y")}  # x's dropped
+            generator.adapters["x"] = dirs["b"].as_uri()  # the same name, other weights
+            out.append(await ask("x", SHARED + "one?"))
+            assert backend.lora.identity("x") != loaded
+            return out
+        finally:
+            await generator.engine.close()
+
+    results = asyncio.run(scenario())
+    refs = [("a", "one?"), ("a", "two?"), ("b", "one?"), ("b", "one?")]
+    assert [tokens for tokens, _ in results] == [
+        lora_models.reference(dirs, name, SHARED + q, 5) for name, q in refs]
+    # x's second request hits its first's blocks; the reloaded x starts cold
+    assert [cached for _, cached in results] == [0, 32, 0, 0]
+
+
+def test_spaces_share_one_lru_and_dropping_one_takes_only_its_blocks() -> None:
+    cache, tokens = PrefixCache(block_tokens=2, max_blocks=4), [1, 2, 3, 4]
+    kv = [torch.zeros(1, 1, 4, 2)]
+    cache.insert(tokens, kv, kv)
+    cache.insert(tokens, kv, kv, space=("a", 1))
+    assert cache.match([*tokens, 5], space=("a", 2)) == []  # another load of "a"
+    assert len(cache.match([*tokens, 5], space=("a", 1))) == 2  # now used last
+    cache.insert(tokens, kv, kv, space=("b", 1))
+    # Over the limit: the least recently used leaves went, the base's leaf then its parent.
+    assert cache.spaces() == {("a", 1), ("b", 1)} and len(cache) == 4
+    cache.drop(("a", 1))
+    assert cache.spaces() == {("b", 1)} and len(cache) == 2
+    assert len(cache.match([*tokens, 5], space=("b", 1))) == 2
 
 
 def test_an_adapter_for_another_base_is_refused_with_400(dirs: dict[str, Path]) -> None:
@@ -213,6 +332,27 @@ def test_the_openai_routes_serve_adapters_and_refuse_unknown_and_misfit_ones(
     for model in ("sql", "chat"):
         assert f'ember_lora_adapter_load_seconds_count{{model="{model}"}} 1.0' in metrics
     assert 'ember_lora_adapter_load_seconds_count{model="wrong"}' not in metrics
+
+
+def test_adapter_prefix_hits_reach_the_openai_usage_and_the_hit_rate_metric(
+        dirs: dict[str, Path]) -> None:
+    from prometheus_client import generate_latest
+
+    client, gateway, _ = _client(dirs, sql="a")
+
+    async def cached(model: str, question: str) -> int:
+        reply = await client.completions.create(model=model, prompt=SHARED + question,
+                                                max_tokens=3, temperature=0)
+        return int(reply.usage.prompt_tokens_details.cached_tokens)
+
+    async def scenario() -> list[int]:
+        return [await cached("sql", "one?"), await cached("sql", "two?"),
+                await cached("base", "one?")]
+
+    assert asyncio.run(scenario()) == [0, 32, 0]  # the base never hits the adapter's blocks
+    metrics = generate_latest(gateway.registry).decode()
+    assert 'ember_prefix_cache_hit_tokens_total{model="sql"} 32.0' in metrics
+    assert 'ember_prefix_cache_hit_tokens_total{model="base"} 0.0' in metrics
 
 
 def test_a_cold_load_never_holds_up_a_request_for_a_loaded_adapter() -> None:
