@@ -191,6 +191,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/offline.json": offline,
     "bench/results/profile_path_two_hops.json": profile_two_hops,
     "bench/results/profile_path.json": profile_edges,
+    "bench/results/coldstart_sizes.json": coldstart_sizes,
     "bench/results/coldstart_sizes.short.json": coldstart_sizes,
     "bench/results/coldstart_sizes_regional.short.json": coldstart_sizes,
     "bench/results/llm.json": llm,
