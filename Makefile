@@ -19,13 +19,14 @@ run: $(STAMP)
 
 # Three pytest runs, one Ray cluster each: the session cluster of the unit and integration
 # tests; the two-node cluster of tests/integration/test_two_nodes*.py (a process joins one
-# cluster); and the e2e tests, which start `ember run` and so a cluster of its own.
+# cluster); and the e2e tests, which start `ember run` and so a cluster of its own. Each
+# prints its ten slowest tests, so a run's log says where its time went.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*'
-	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py
-	$(BIN)/python -m pytest tests/e2e
+	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
+	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10
+	$(BIN)/python -m pytest tests/e2e --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
