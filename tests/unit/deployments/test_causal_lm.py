@@ -134,9 +134,10 @@ def test_the_model_is_built_on_meta_while_the_weights_load(
     import threading
 
     import ember.deployments.causal_lm as causal_lm
+    import ember.loaders
 
     built = threading.Event()
-    real_load, real_build = causal_lm.loaders.snapshot_load, causal_lm.build_on_meta
+    real_load, real_build = ember.loaders.snapshot_load, causal_lm.build_on_meta
 
     def load_once_built(*args: Any, **kwargs: Any) -> Any:
         # Serial phases would build only after this returns: the wait would time out.
@@ -148,7 +149,7 @@ def test_the_model_is_built_on_meta_while_the_weights_load(
         built.set()
         return model
 
-    monkeypatch.setattr(causal_lm.loaders, "snapshot_load", load_once_built)
+    monkeypatch.setattr(ember.loaders, "snapshot_load", load_once_built)
     monkeypatch.setattr(causal_lm, "build_on_meta", build)
     model, report = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(tmp_path / "node")})
     assert wait_for_cache_writes(timeout_s=60)
