@@ -54,16 +54,17 @@ _REFILL_AFTER_S = 3.0
 #: replica actor (1.2 s of imports on its own, measured here) and Ember's replica code.
 _BASE_MODULES = ("torch", "ember.control.torch_warm", *ray_internals.serve_replica_module(),
                  "ember.control.replica")
-#: Runs after every other preload: it freezes what they allocated (see its doc).
-_LAST = "ember.control.settle_heap"
+#: Run after the app's modules, in this order: the S3 client's model is parsed once the app's
+#: imports have said whether botocore is there, and the heap is frozen after everything.
+_AFTER_APP = ("ember.control.s3_warm", "ember.control.settle_heap")
 
 
 def preload_modules(modules: Iterable[str]) -> list[str]:
     """Modules a warm-runtime worker imports: torch, Serve's and Ember's replica code, the
-    app's."""
+    app's, then the S3 client's warm-up and the heap's freeze."""
     wanted = [*_BASE_MODULES, *modules]
-    ordered = [m for m in dict.fromkeys(wanted) if m and m != "__main__" and m != _LAST]
-    return [*ordered, _LAST]
+    ordered = [m for m in dict.fromkeys(wanted) if m and m != "__main__" and m not in _AFTER_APP]
+    return [*ordered, *_AFTER_APP]
 
 
 def system_config(modules: Iterable[str]) -> dict[str, Any]:

@@ -10,11 +10,13 @@ A replica loads in this order:
 1. the weights' bytes are compared with the node's free memory, and a replica that cannot
    fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before anything is
    read;
-2. the node's snapshot of the weights is mapped (or the node cache is filled first, from the
-   regional tier or the origin, shard by shard in the order the model uses them);
-3. a thread reads the pages of the mapped blobs that are not in the page cache with large
-   parallel reads, while the main thread builds the model on the ``meta`` device (no
-   parameter memory at all);
+2. a thread maps the node's snapshot of the weights (or streams them from the regional tier
+   or the origin, shard by shard in the order the model uses them, and fills the node cache
+   behind the load);
+3. meanwhile the main thread reads ``config.json`` and builds the model on the ``meta``
+   device (no parameter memory at all), and the weights thread, once the tensors are
+   mapped, reads the pages of the blobs that are not in the page cache with large
+   parallel reads;
 4. the mapped tensors become the parameters (``load_state_dict(assign=True)``): no copy, so
    a replica's memory is the page cache's pages, shared by every replica of the model on
    the node.
@@ -127,9 +129,36 @@ def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
     return read, time.perf_counter() - start
 
 
+@dataclass
+class _Weights:
+    """What the weights thread of :func:`load_causal_lm` hands back."""
+
+    got: loaders.SnapshotLoad
+    map_s: float
+    read_bytes: int
+    read_s: float
+
+
+def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
+    """The snapshot's tensors, then the pages of its blobs not yet in the page cache."""
+    start = time.perf_counter()
+    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
+    map_s = time.perf_counter() - start
+    # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
+    mapped = got.restored or not cfg.writes_behind(url)
+    read, read_s = _timed_prefetch(snapshot_blobs(url, CODE_VERSION, cfg) if mapped else [])
+    return _Weights(got, map_s, read, read_s)
+
+
 def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,
                    device: str = "cpu") -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
+
+    The weights are mapped (or streamed) on a thread while this one reads ``config.json``
+    and builds the model on ``meta``: on a miss, the model is ready when the last bytes
+    arrive. ``phases_s``: ``check`` (size and fit), ``map`` (the weights thread's load),
+    ``construct`` (config and build, beside ``map``), ``pages_wait`` (waiting for the
+    weights thread after the build), ``assign``; ``total`` is the wall time.
 
     Args:
         url: the weights URL (a folder, or its index or safetensors file).
@@ -149,28 +178,23 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     marks = [time.perf_counter()]
     size = weights_bytes(url, CODE_VERSION, cfg)
     check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
-    config_doc = _config_doc(read_beside(url, CONFIG_NAME, cfg))
     marks.append(time.perf_counter())
-    got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
-    marks.append(time.perf_counter())
-    with ThreadPoolExecutor(1, thread_name_prefix="ember-pages") as pool:
-        # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
-        mapped = got.restored or not cfg.writes_behind(url)
-        blobs = snapshot_blobs(url, CODE_VERSION, cfg) if mapped else []
-        pages: Future[tuple[int, float]] = pool.submit(_timed_prefetch, blobs)
-        model = build_on_meta(config_doc)  # while the pages arrive
+    with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
+        weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
+        # A bad config.json is raised once the weights thread ends (leaving the pool waits).
+        model = build_on_meta(_config_doc(read_beside(url, CONFIG_NAME, cfg)))
         marks.append(time.perf_counter())
-        read, read_s = pages.result()
+        done = weights.result()
         marks.append(time.perf_counter())
-    model = assign_weights(model, got.tensors)
+    model = assign_weights(model, done.got.tensors)
     marks.append(time.perf_counter())
-    names = ("check", "map", "construct", "pages_wait", "assign")
-    phases = {n: round(b - a, 4) for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)}
-    phases["total"] = round(marks[-1] - marks[0], 4)
-    phases["pages_read"] = round(read_s, 4)  # the prefetch's own time (overlaps construct)
-    report = LoadReport(size, read, got.restored, phases)
-    record_load(cfg.node_root(), {"url": url, "bytes": size, "read_bytes": read,
-                                  "restored": got.restored, "seconds": phases["total"]})
+    phases = {"check": marks[1] - marks[0], "map": done.map_s, "construct": marks[2] - marks[1],
+              "pages_wait": marks[3] - marks[2], "assign": marks[4] - marks[3],
+              "total": marks[4] - marks[0], "pages_read": done.read_s}
+    phases = {name: round(value, 4) for name, value in phases.items()}
+    report = LoadReport(size, done.read_bytes, done.got.restored, phases)
+    record_load(cfg.node_root(), {"url": url, "bytes": size, "read_bytes": done.read_bytes,
+                                  "restored": done.got.restored, "seconds": phases["total"]})
     return model, report
 
 

@@ -43,6 +43,7 @@ from ember.loaders._snapshot_admin import (
     list_snapshots,
     preload_snapshot,
 )
+from ember.loaders._source_s3 import warm_client as warm_s3_client
 from ember.loaders._staging import StagingCopier
 from ember.loaders._tier import CacheEntry
 from ember.loaders._tier_node import NodeTier
@@ -81,5 +82,6 @@ __all__ = [
     "snapshot_load",
     "stream",
     "wait_for_cache_writes",
+    "warm_s3_client",
     "weights_bytes",
 ]

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -125,3 +126,32 @@ def test_half_a_gigabyte_model_costs_its_weights_once_and_two_replicas_share_the
         for proc in (first, second):
             proc.kill()
             proc.wait()
+
+
+def test_the_model_is_built_on_meta_while_the_weights_load(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import ember.deployments.causal_lm as causal_lm
+    import ember.loaders
+
+    built = threading.Event()
+    real_load, real_build = ember.loaders.snapshot_load, causal_lm.build_on_meta
+
+    def load_once_built(*args: Any, **kwargs: Any) -> Any:
+        # Serial phases would build only after this returns: the wait would time out.
+        assert built.wait(30), "the model was not built while the weights loaded"
+        return real_load(*args, **kwargs)
+
+    def build(doc: dict[str, Any]) -> torch.nn.Module:
+        model = real_build(doc)
+        built.set()
+        return model
+
+    monkeypatch.setattr(ember.loaders, "snapshot_load", load_once_built)
+    monkeypatch.setattr(causal_lm, "build_on_meta", build)
+    model, report = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(tmp_path / "node")})
+    assert wait_for_cache_writes(timeout_s=60)
+    assert {"check", "map", "construct", "pages_wait", "assign", "total"} <= set(report.phases_s)
+    assert isinstance(next_token(model, [1, 2, 3]), int)
