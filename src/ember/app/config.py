@@ -324,7 +324,7 @@ def to_ray_options(
         "max_ongoing_requests": options.ongoing_limit(),
         "max_queued_requests": options.max_queue,
         "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
-        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
         "max_constructor_retry_count": options.max_start_attempts,

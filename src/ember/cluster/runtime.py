@@ -169,6 +169,9 @@ def _pool_deployment(app: App, *, gpu: bool = False) -> Any:
         logging_config=serve_logging(),
         # Preloading runs setup() of every preloaded deployment before the pool is ready.
         health_check_timeout_s=60,
+        # Counted sooner, not waited less: requests in flight still finish (Serve's default
+        # sleeps 2 s before the first count even with none).
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )(EmberPool)
     return pool.bind(specs, preload, app.warm_pool_bytes, app.name, gpu=gpu,
                      park_after_s=settings.load().gpu_pool_park_after_s)
