@@ -41,6 +41,10 @@ ROUTERS = ("default", "prefix")
 PREFIX_ROUTER_IMPORT_PATH = "ember.control.prefix_router:PrefixRouter"
 #: How often a prefix-routed replica reports whether it is warm (Ray's default is 10 s).
 PREFIX_ROUTING_STATS_PERIOD_S = 2.0
+#: How often a stopping Serve replica counts its requests in flight; it sleeps this long
+#: before the first count, so each stop of the server (and each replica taken down) waits it
+#: even when nothing is in flight. Counting is cheap; Serve's default is 2 s.
+SHUTDOWN_WAIT_LOOP_S = 0.1
 
 
 class DeploymentKwargs(TypedDict, total=False):
@@ -320,7 +324,7 @@ def to_ray_options(
         "max_ongoing_requests": options.ongoing_limit(),
         "max_queued_requests": options.max_queue,
         "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
-        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
         "max_constructor_retry_count": options.max_start_attempts,
