@@ -175,12 +175,16 @@ class RolloutDriver:
                     logger.warning("rollout tick failed", exc_info=True)
                     live = True
                 if not live:
-                    # Inside the lock: a rollout begun from now on finds no driver, and the
-                    # edge that asked makes a new one.
+                    # Inside the lock, and it is never released: a call queued behind this
+                    # tick must not run on an actor that is being killed. A begin that ran
+                    # here would write the candidate's lease and die before its rollout, and
+                    # the new driver the edge then asks would take that lease for the
+                    # operator's and put it back at the end. Queued calls fail with the
+                    # actor, and the edge asks a new driver.
                     import ray
 
                     ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-                    return
+                    await asyncio.Event().wait()
             await asyncio.sleep(TICK_S)
 
     def _tick_all(self) -> bool:
