@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import mmap
 import queue
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -23,6 +22,7 @@ from ember.errors import IntegrityError, ShortRead
 from ember.loaders._config import LoaderConfig
 from ember.loaders._header import PREFIX_BYTES, Header, TensorSpec, parse_header, parse_length
 from ember.loaders._source import ObjectInfo, WeightSource
+from ember.loaders.pages import prefault
 
 #: ``sink(offset, data)`` persists bytes at a file offset (the cache's write-through).
 Sink = Callable[[int, memoryview], None]
@@ -65,30 +65,9 @@ def read_header(source: WeightSource, info: ObjectInfo, cap_bytes: int) -> tuple
     return parse_header(raw, name=name, file_size=info.size), prefix + raw
 
 
-# Linux 5.14's ``MADV_POPULATE_WRITE`` (Python 3.11's ``mmap`` lacks the constant).
-_POPULATE_WRITE = 23
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise``, called through ctypes: unlike ``mmap.madvise`` it releases the
-    GIL, so the range-read threads allocate their pages in parallel."""
-    if sys.platform != "linux":
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_MADVISE = _libc_madvise()
-
-
 def anonymous_buffer(size: int) -> mmap.mmap:
     """A private anonymous mapping of ``size`` bytes; its pages are allocated by the range
-    reads that fill them (:func:`prefault`).
+    reads that fill them (:func:`ember.loaders.pages.prefault`).
 
     Populating the whole file when it is mapped (``MAP_POPULATE``) held back the first range
     read until every page of the file existed, about 0.1-0.2 s per 200 MB on a small
@@ -99,25 +78,12 @@ def anonymous_buffer(size: int) -> mmap.mmap:
 
 
 def buffer_address(buffer: mmap.mmap) -> int:
-    """Where ``buffer``'s memory starts (for :func:`prefault`); the mapping stays closable."""
+    """Where ``buffer``'s memory starts (for :func:`ember.loaders.pages.prefault`); the
+    mapping stays closable."""
     view = ctypes.c_char.from_buffer(buffer)
     address = ctypes.addressof(view)
     del view  # releases the export, which would otherwise forbid closing the mapping
     return address
-
-
-def prefault(address: int, start: int, end: int) -> bool:
-    """Allocate the pages of ``[address + start, address + end)`` in one call, without the
-    GIL; ``False`` where the kernel cannot (before Linux 5.14, or not Linux), and the bytes
-    then fault their pages in as they arrive.
-
-    One call allocates a range's pages in a batch, cheaper than a fault per 4 KiB page
-    inside the socket read, and each range-read thread does its own, beside the others.
-    """
-    if _MADVISE is None or end <= start:
-        return False
-    first = (address + start) & ~(mmap.PAGESIZE - 1)
-    return _MADVISE(first, address + end - first, _POPULATE_WRITE) == 0
 
 
 class StreamingReader:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from ember.loaders._reader import anonymous_buffer, buffer_address, prefault
+from ember.loaders._reader import anonymous_buffer, buffer_address
+from ember.loaders.pages import prefault
 
 MIB = 1 << 20
 
