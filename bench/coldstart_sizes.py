@@ -201,15 +201,21 @@ def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any
             "memory": body["memory"], "both_replicas": pss}
 
 
-def peer_round(peers: Peers, rung: Rung, path: str, work: Path) -> dict[str, Any]:
+def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
+               deadline: h.Deadline) -> dict[str, Any]:
     """Every peer once on ``path``'s conditions."""
     out: dict[str, Any] = {}
     names = PEERS_S3 if path == "regional" else PEERS_DISK
+    # A live replica maps the blobs (mapped pages cannot be dropped), and the regional one
+    # holds its weights' memory, which the memory check would count against the peer.
+    if path in ("disk_cold", "regional"):
+        wait_zero(rung, "r" if path == "regional" else "a", base, deadline)
     for name in names:
         options: dict[str, Any] | None = rung.disk_opts
         url = ""
+        left = None
         if path == "disk_cold":
-            lim.drop(rung.files + rung.blobs)
+            left = lim.drop(rung.files + rung.blobs)
         elif path == "disk_warm":
             lim.pagecache_bandwidth(rung.files + rung.blobs)
         elif path == "regional":
@@ -218,6 +224,8 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path) -> dict[str, Any
             options = {**rung.s3_opts, "cache_dir": str(scratch)}
             url = rung.s3_url
         out[name] = peers.load(name, rung.folder, url=url, options=options)
+        if left is not None:  # a peer that found pages resident did not load cold
+            out[name]["resident_after_drop_bytes"] = left
         print(f"    peer {name:<28} {out[name]}", flush=True)
     return out
 
@@ -324,7 +332,7 @@ def run_size(rung: Rung, base: str, peers: Peers, trials: int, work: Path,
             print(f"  [{trial}] {path:<15} total {got['total_s']:.2f}s "
                   f"phases {got['phases_s']} load {got['load']['phases_s']}", flush=True)
             if path != "second_replica":
-                peer_found[path].append(peer_round(peers, rung, path, work))
+                peer_found[path].append(peer_round(peers, rung, path, work, base, deadline))
     from ray import serve
 
     serve.delete(rung.app)

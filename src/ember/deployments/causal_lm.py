@@ -15,8 +15,9 @@ A replica loads in this order:
    behind the load);
 3. meanwhile the main thread reads ``config.json`` and builds the model on the ``meta``
    device (no parameter memory at all), and the weights thread, once the tensors are
-   mapped, reads the pages of the blobs that are not in the page cache with large
-   parallel reads;
+   mapped, maps in every page of them in large parallel chunks (``MADV_POPULATE_READ``:
+   the kernel reads what is not in the page cache straight into it, with no copy, and the
+   first forward takes no page faults);
 4. the mapped tensors become the parameters (``load_state_dict(assign=True)``): no copy, so
    a replica's memory is the page cache's pages, shared by every replica of the model on
    the node.
@@ -44,7 +45,7 @@ from ember import loaders
 from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
 from ember.loaders.limits import record_load
-from ember.loaders.pages import prefetch
+from ember.loaders.pages import populate, prefetch, resident_bytes
 
 #: Part of the snapshot key: a new construction path never restores an old snapshot.
 CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
@@ -56,7 +57,7 @@ class LoadReport:
     """How one replica's model was loaded: bytes, where they came from, seconds per phase."""
 
     weights_bytes: int
-    read_bytes: int = 0  # bytes the prefetch read from storage (0 when all were resident)
+    read_bytes: int = 0  # bytes not in the page cache before the load (0: all resident)
     restored: bool = False  # mapped from the node's snapshot without touching the origin
     phases_s: dict[str, float] = field(default_factory=dict)
 
@@ -123,10 +124,18 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
     return model.eval().requires_grad_(False)
 
 
-def _timed_prefetch(paths: list[Path]) -> tuple[int, float]:
+def _missing_bytes(paths: list[Path]) -> int:
+    return sum(p.stat().st_size - resident_bytes(p) for p in paths)
+
+
+def _bring_in(tensors: dict[str, torch.Tensor], paths: list[Path]) -> float:
+    """Map in every page of the mapped weights; the seconds it took."""
     start = time.perf_counter()
-    read = prefetch(paths)
-    return read, time.perf_counter() - start
+    spans = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in tensors.values() if t.device.type == "cpu"}  # file order: first use
+    if not populate(list(spans.items())):
+        prefetch(paths)  # a kernel before 5.14: read the pages, the mapping faults them in
+    return time.perf_counter() - start
 
 
 @dataclass
@@ -140,14 +149,19 @@ class _Weights:
 
 
 def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
-    """The snapshot's tensors, then the pages of its blobs not yet in the page cache."""
+    """The snapshot's tensors, then every page of them mapped in."""
     start = time.perf_counter()
+    try:  # counted before the mapping, whose header reads bring in a first few pages
+        before: int | None = _missing_bytes(snapshot_blobs(url, CODE_VERSION, cfg))
+    except (OSError, ValueError):  # no snapshot on this node yet
+        before = None
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     map_s = time.perf_counter() - start
     # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
-    mapped = got.restored or not cfg.writes_behind(url)
-    read, read_s = _timed_prefetch(snapshot_blobs(url, CODE_VERSION, cfg) if mapped else [])
-    return _Weights(got, map_s, read, read_s)
+    paths = snapshot_blobs(url, CODE_VERSION, cfg) if got.restored or not cfg.writes_behind(
+        url) else []
+    read = before if got.restored and before is not None else _missing_bytes(paths)
+    return _Weights(got, map_s, read, _bring_in(got.tensors, paths) if paths else 0.0)
 
 
 def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,

@@ -40,8 +40,10 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
-#: Linux 5.14's ``MADV_POPULATE_WRITE`` (Python 3.11's ``mmap`` lacks the constant).
+#: Linux 5.14's ``MADV_POPULATE_READ``/``_WRITE`` (Python 3.11's ``mmap`` lacks them).
+_POPULATE_READ = 22
 _POPULATE_WRITE = 23
+_EINVAL = 22
 
 
 def residency(path: Path) -> bytes:
@@ -124,6 +126,42 @@ def prefetch(paths: Sequence[Path], *, workers: int = 4, chunk_bytes: int = CHUN
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def populate(spans: Sequence[tuple[int, int]], *, workers: int = 4,
+             chunk_bytes: int = CHUNK_BYTES) -> bool:
+    """Map every page of each ``(address, length)`` span of this process's file mappings,
+    reading the ones not in the page cache; ``False`` where the kernel cannot (before Linux
+    5.14, or not Linux), and the caller then reads with :func:`prefetch` instead.
+
+    Unlike :func:`prefetch`, nothing is copied: the kernel reads straight into the page
+    cache and maps those pages into the spans, so the model's first forward takes no page
+    faults and no throwaway buffer costs a memcpy per byte (on a cold page cache that copy
+    held the reads to about 0.5-0.7x of the disk's bandwidth). Chunks go to ``workers``
+    threads in span order; ctypes releases the GIL for each call.
+
+    Raises:
+        OSError: the kernel could not bring a page in (an I/O error, a truncated file).
+    """
+    jobs = [(a, min(chunk_bytes, end - a)) for address, length in spans
+            for end in [address + length] for a in range(address, end, chunk_bytes)]
+    if sys.platform != "linux" or not jobs:
+        return sys.platform == "linux"
+    if (errno := _populate_read(*jobs[0])) == _EINVAL:  # older than MADV_POPULATE_READ
+        return False
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ember-populate") as pool:
+        errno = errno or next((e for e in pool.map(lambda j: _populate_read(*j), jobs[1:]) if e), 0)
+    if errno:
+        raise OSError(errno, f"MADV_POPULATE_READ failed: {os.strerror(errno)}")
+    return True
+
+
+def _populate_read(address: int, length: int) -> int:
+    """0, or the errno of this thread's failed call."""
+    first = address & ~(_PAGE - 1)  # madvise wants a page-aligned start
+    if int(_libc.madvise(first, address + length - first, _POPULATE_READ)) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def evict(path: Path) -> None:

@@ -3,6 +3,8 @@ mapped tensors assigned (no copy), and the page-cache residency it relies on."""
 
 from __future__ import annotations
 
+import gc
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import torch
 from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
 from ember.errors import InsufficientMemory
 from ember.loaders import wait_for_cache_writes
-from ember.loaders.pages import evict, prefetch, resident_bytes
+from ember.loaders.pages import evict, populate, prefetch, resident_bytes
 
 from support import bench_module
 
@@ -82,6 +84,52 @@ def test_prefetch_reads_only_what_is_not_resident(tmp_path: Path) -> None:
     assert prefetch([path], chunk_bytes=1 << 20) == 8 << 20
     assert resident_bytes(path) == 8 << 20
     assert prefetch([path]) == 0
+
+
+def _mapped_rss_bytes(address: int) -> int:
+    """This process's resident bytes of the mapping that starts at ``address`` (smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{address:x}-"))
+    rss = next(line for line in lines[start + 1:] if line.startswith("Rss:"))
+    return int(rss.split()[1]) * 1024
+
+
+def test_populate_reads_into_the_mapping_itself_with_no_copy(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (8 << 20))
+    evict(path)
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    address = flat.data_ptr()
+    assert resident_bytes(path) == 0 and _mapped_rss_bytes(address) == 0
+    assert populate([(address, 8 << 20)], chunk_bytes=1 << 20)
+    # Read from disk into the page cache, and those pages mapped here: the first use of
+    # the weights takes no fault, and no buffer outside the mapping held a copy.
+    assert resident_bytes(path) == 8 << 20
+    assert _mapped_rss_bytes(address) == 8 << 20
+    assert int(flat[::4096].sum()) == 2048
+    del flat
+    mapping.close()
+
+
+def test_a_cold_load_reports_its_reads_and_leaves_the_weights_mapped_in(
+        tiny: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)})
+    assert wait_for_cache_writes(timeout_s=60)
+    gc.collect()  # the first model's mappings pin its pages
+    blobs = sorted(p for p in cache.glob("*/blobs/*") if p.suffix != ".json")
+    for blob in blobs:
+        evict(blob)
+    assert sum(resident_bytes(p) for p in blobs) == 0
+    model, report = load_causal_lm(tiny.as_uri(), config={"cache_dir": str(cache)})
+    assert report.restored and report.read_bytes == sum(p.stat().st_size for p in blobs)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in model.state_dict().values()}
+    assert sorted(storages.values()) == sorted(p.stat().st_size for p in blobs)
+    for address, nbytes in storages.items():
+        assert _mapped_rss_bytes(address) >= nbytes - 4096, "pages left to fault in"
 
 
 NO_WASTE = """
