@@ -31,6 +31,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 #: Resident runs closer than this are read through: one large read beats two seeks.
 _MERGE_GAP_BYTES = 1 << 20
 CHUNK_BYTES = 16 << 20
+#: Larger for :func:`populate`: the kernel reads ahead within one call, and on this class of
+#: disk four 64 MiB calls in flight read 2 GB at 2.0-2.3 GB/s against 1.6 GB/s for 16 MiB
+#: ones (and 1.8 GB/s for four plain 16 MiB ``pread`` readers) in the same run.
+POPULATE_CHUNK_BYTES = 64 << 20
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -129,7 +133,7 @@ def prefetch(paths: Sequence[Path], *, workers: int = 4, chunk_bytes: int = CHUN
 
 
 def populate(spans: Sequence[tuple[int, int]], *, workers: int = 4,
-             chunk_bytes: int = CHUNK_BYTES) -> bool:
+             chunk_bytes: int = POPULATE_CHUNK_BYTES) -> bool:
     """Map every page of each ``(address, length)`` span of this process's file mappings,
     reading the ones not in the page cache; ``False`` where the kernel cannot (before Linux
     5.14, or not Linux), and the caller then reads with :func:`prefetch` instead.
