@@ -152,16 +152,18 @@ def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
     """The snapshot's tensors, then every page of them mapped in."""
     start = time.perf_counter()
     try:  # counted before the mapping, whose header reads bring in a first few pages
-        before: int | None = _missing_bytes(snapshot_blobs(url, CODE_VERSION, cfg))
+        paths = snapshot_blobs(url, CODE_VERSION, cfg)
+        before: int | None = _missing_bytes(paths)
     except (OSError, ValueError):  # no snapshot on this node yet
-        before = None
+        paths, before = [], None
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     map_s = time.perf_counter() - start
-    # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
-    paths = snapshot_blobs(url, CODE_VERSION, cfg) if got.restored or not cfg.writes_behind(
-        url) else []
-    read = before if got.restored and before is not None else _missing_bytes(paths)
-    return _Weights(got, map_s, read, _bring_in(got.tensors, paths) if paths else 0.0)
+    if not got.restored:  # a fresh load wrote a new record (or none yet, behind the load)
+        # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
+        paths = [] if cfg.writes_behind(url) else snapshot_blobs(url, CODE_VERSION, cfg)
+        before = _missing_bytes(paths)
+    read_s = _bring_in(got.tensors, paths) if paths else 0.0
+    return _Weights(got, map_s, before or 0, read_s)
 
 
 def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,

@@ -31,9 +31,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 #: Resident runs closer than this are read through: one large read beats two seeks.
 _MERGE_GAP_BYTES = 1 << 20
 CHUNK_BYTES = 16 << 20
-#: Larger for :func:`populate`: the kernel reads ahead within one call, and on this class of
-#: disk four 64 MiB calls in flight read 2 GB at 2.0-2.3 GB/s against 1.6 GB/s for 16 MiB
-#: ones (and 1.8 GB/s for four plain 16 MiB ``pread`` readers) in the same run.
+#: Larger for :func:`populate`: the kernel reads ahead within one call, so fewer, larger
+#: calls keep the disk busier (``bench/page_reads.py`` compares 16 and 64 MiB).
 POPULATE_CHUNK_BYTES = 64 << 20
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -140,8 +139,7 @@ def populate(spans: Sequence[tuple[int, int]], *, workers: int = 4,
 
     Unlike :func:`prefetch`, nothing is copied: the kernel reads straight into the page
     cache and maps those pages into the spans, so the model's first forward takes no page
-    faults and no throwaway buffer costs a memcpy per byte (on a cold page cache that copy
-    held the reads to about 0.5-0.7x of the disk's bandwidth). Chunks go to ``workers``
+    faults and no throwaway buffer costs a memcpy per byte. Chunks go to ``workers``
     threads in span order; ctypes releases the GIL for each call.
 
     Raises:
@@ -153,8 +151,9 @@ def populate(spans: Sequence[tuple[int, int]], *, workers: int = 4,
         return sys.platform == "linux"
     if (errno := _populate_read(*jobs[0])) == _EINVAL:  # older than MADV_POPULATE_READ
         return False
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ember-populate") as pool:
-        errno = errno or next((e for e in pool.map(lambda j: _populate_read(*j), jobs[1:]) if e), 0)
+    if not errno:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ember-populate") as pool:
+            errno = next((e for e in pool.map(lambda j: _populate_read(*j), jobs[1:]) if e), 0)
     if errno:
         raise OSError(errno, f"MADV_POPULATE_READ failed: {os.strerror(errno)}")
     return True

@@ -1,0 +1,90 @@
+"""How fast a cold model's pages come in, by the way they are read: the causal-LM load's
+``populate`` (``MADV_POPULATE_READ`` on a mapping) at two call sizes, against plain ``pread``.
+
+On one ladder rung's safetensors files (``bench/model_ladder.py``), every page dropped from
+the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
+
+* ``populate_16mib`` / ``populate_64mib``: the files mapped copy-on-write as a replica maps
+  them, then ``ember.loaders.pages.populate`` with four calls in flight, of 16 or 64 MiB;
+* ``pread_4``: four plain readers of 16 MiB chunks into fresh buffers (the disk limit that
+  ``bench/coldstart_sizes.py`` measures).
+
+Trials alternate the three ways, ``--rounds`` times; GB/s per trial and the median of each
+way go to ``bench/results/page_reads[.short].json``.
+
+Usage:
+    .venv/bin/python bench/page_reads.py [--short] [--size 2gb] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import _sizes_limits as lim
+import model_ladder
+import torch
+
+from ember.loaders.pages import populate
+
+WAYS = ("populate_16mib", "populate_64mib", "pread_4")
+
+
+def populate_gbps(files: list[Path], chunk_bytes: int) -> float:
+    """GB/s of mapping ``files`` and populating every page, from a cold page cache."""
+    if lim.drop(files):
+        raise RuntimeError("pages stayed resident after the drop")
+    start = time.perf_counter()
+    flats = []
+    for path in files:
+        with path.open("rb") as f:
+            flats.append(torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
+                                          dtype=torch.uint8))
+    if not populate([(t.data_ptr(), t.numel()) for t in flats], chunk_bytes=chunk_bytes):
+        raise RuntimeError("this kernel has no MADV_POPULATE_READ")
+    seconds = time.perf_counter() - start
+    return sum(t.numel() for t in flats) / seconds / 1e9
+
+
+def one(way: str, files: list[Path]) -> float:
+    if way == "pread_4":
+        return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
+    return populate_gbps(files, (16 if way == "populate_16mib" else 64) << 20)
+
+
+def main() -> int:
+    parser = h.parser(__doc__, deadline_s=900)
+    parser.add_argument("--size", help="ladder rung (2gb; short 0.5gb)")
+    parser.add_argument("--rounds", type=int, help="rounds of the three ways (4; short 2)")
+    args = h.pick(parser.parse_args(), size=("2gb", "0.5gb"), rounds=(4, 2))
+    h.install_deadline(args.deadline_s)
+    files = sorted(model_ladder.ensure(args.size).glob("*.safetensors"))
+    trials: dict[str, list[float]] = {way: [] for way in WAYS}
+    for i in range(args.rounds):
+        for way in WAYS:
+            trials[way].append(round(one(way, files), 3))
+        print(f"round {i}: " + ", ".join(f"{w} {trials[w][-1]} GB/s" for w in WAYS), flush=True)
+    h.clear_deadline()
+    medians = {way: statistics.median(v) for way, v in trials.items()}
+    out: dict[str, Any] = {
+        "size": args.size, "bytes": sum(p.stat().st_size for p in files),
+        "gbps": trials, "median_gbps": medians,
+        "ratios": {"populate_64mib_over_16mib": h.ratio(medians["populate_64mib"],
+                                                         medians["populate_16mib"]),
+                   "populate_64mib_over_pread_4": h.ratio(medians["populate_64mib"],
+                                                          medians["pread_4"])},
+    }
+    print(out["ratios"], flush=True)
+    h.write_results("page_reads", out, short=args.short)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
