@@ -171,10 +171,16 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
         return {**out, **second_replica(rung, base, deadline)}
     route = {"regional": "/lm-r"}.get(path, "/lm")
     body, took, phases = post(base + route, deadline)
-    out.update(total_s=took, phases_s=phases, load=body["load"], memory=body["memory"])
+    out.update(total_s=took, phases_s=phases, load=body["load"], memory=body["memory"],
+               **_forwards(body))
     if path == "disk_warm":
         out["forward_s"] = post(base + route, deadline)[1]  # the same replica, warm
     return out
+
+
+def _forwards(body: dict[str, Any]) -> dict[str, Any]:
+    """The cold request's own forward (timed in the replica) and how many the replica ran."""
+    return {"first_forward_s": body.get("forward_s"), "forwards": body.get("forwards")}
 
 
 def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:
@@ -198,7 +204,7 @@ def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any
         stop.set()
         busy.join(timeout=130)
     return {"total_s": took, "phases_s": phases, "load": body["load"],
-            "memory": body["memory"], "both_replicas": pss}
+            "memory": body["memory"], "both_replicas": pss, **_forwards(body)}
 
 
 def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
@@ -264,6 +270,11 @@ def summarise(rung: Rung, path: str, trials: list[dict[str, Any]], peer_rounds: 
             "second_replica": lims["page_cache"]["gbps"]}[path]
     limit_s = rung.bytes / (gbps * 1e9)
     forward = _median([t["forward_s"] for t in trials if "forward_s" in t])
+    first = [t["first_forward_s"] for t in trials if t.get("first_forward_s") is not None]
+    # Request to a replica ready to compute: the request's own forward taken out, so that a
+    # start can be compared across sizes whose forward passes differ.
+    starts = [t["total_s"] - t["first_forward_s"] for t in trials
+              if t.get("first_forward_s") is not None]
     if path == "disk_warm" and forward is not None:
         limit_s += forward
     row: dict[str, Any] = {
@@ -273,6 +284,7 @@ def summarise(rung: Rung, path: str, trials: list[dict[str, Any]], peer_rounds: 
                                                              3) if _median(weights) else None,
         "pages_read_s": _median(pages), "read_bytes": _median([float(r) for r in read]),
         "limit_s": round(limit_s, 4), "limit_gbps": gbps, "forward_s": forward,
+        "first_forward_s": _median(first), "start_s": _median(starts),
         "anatomy_s": anatomy, "peers": peers, "peer_errors": errors,
         "trials": trials, "peer_rounds": peer_rounds,
     }
@@ -300,6 +312,21 @@ def ratios(row: dict[str, Any], path: str) -> dict[str, Any]:
         out["ceiling_share_weights_phase"] = round(row["limit_s"] / row["weights_s"], 3)
     if path == "disk_warm" and row["total_s"]:
         out["total_over_limit"] = round(row["total_s"] / row["limit_s"], 3)  # target <= 1.3
+    return out
+
+
+def size_growth(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The second replica at the largest size over the smallest (target <= 1.5): request to
+    first answer, and the start alone (the request's own forward, which grows with the model,
+    taken out)."""
+    found = sorted((r for r in rows if r["path"] == "second_replica"), key=lambda r: r["bytes"])
+    if len(found) < 2:
+        return None
+    small, large = found[0], found[-1]
+    out = {"sizes": [small["size"], large["size"]],
+           "total": round(large["total_s"] / small["total_s"], 3)}
+    if small.get("start_s") and large.get("start_s"):
+        out["start"] = round(large["start_s"] / small["start_s"], 3)
     return out
 
 
@@ -383,6 +410,7 @@ def main() -> int:
     name = "coldstart_sizes" if paths == PATHS else "_".join(("coldstart_sizes", *paths))
     h.write_results(name, {
         "complete": not errors, "errors": errors, "rows": rows,
+        "second_replica_largest_over_smallest": size_growth(rows),
         "peer_worker": peers.ready if peers else None,
         "s3_server": "moto (loopback, own process, O(range) ranged GETs); no faster S3 server "
                      "installs here from PyPI, npm or Debian (MinIO, SeaweedFS, Garage and "

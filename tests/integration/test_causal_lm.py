@@ -41,11 +41,14 @@ def test_the_tiny_ladder_model_answers_like_from_pretrained(
     app = causal_lm_app(tiny.as_uri(), name="causal-lm-tiny", num_cpus=0.25,
                         loader_options={"cache_dir": str(tmp_path / "node")})
     with serve_app(app, ready_timeout_s=180) as base:
-        for ids in ([1, 2, 3], [9, 400, 17, 3, 88]):
+        for n, ids in enumerate(([1, 2, 3], [9, 400, 17, 3, 88]), start=1):
             reply = httpx.post(f"{base}/lm", json=ids, timeout=180)
             assert reply.status_code == 200, reply.text
             body = reply.json()
             assert body["next_token"] == next_token(reference, ids)
+            # No warm-up forward before ready: the first request's forward is the first
+            # (a warm-up pass would double the forward on the cold path).
+            assert body["forwards"] == n, body["forwards"]
         assert body["load"]["weights_bytes"] == sum(
             p.stat().st_size for p in tiny.glob("*.safetensors"))
         bad = httpx.post(f"{base}/lm", json={"not": "ids"}, timeout=60)
