@@ -180,7 +180,9 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
 
 def _forwards(body: dict[str, Any]) -> dict[str, Any]:
     """The cold request's own forward (timed in the replica) and how many the replica ran."""
-    return {"first_forward_s": body.get("forward_s"), "forwards": body.get("forwards")}
+    return {"first_forward_s": body.get("forward_s"), "forwards": body.get("forwards"),
+            "first_forward_faults": body.get("forward_faults"),
+            "first_forward_cpu_s": body.get("forward_cpu_s")}
 
 
 def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:

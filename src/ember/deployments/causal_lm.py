@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -247,13 +248,21 @@ class CausalLM:
         self.forwards = 0
 
     def __call__(self, token_ids: list[int]) -> dict[str, Any]:
-        started = time.perf_counter()
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        cpu = time.thread_time()
         token = next_token(self.model, token_ids)
-        forward_s = time.perf_counter() - started
+        cpu_s = time.thread_time() - cpu
+        forward_s, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
         self.forwards += 1
         memory = {**memory_bytes(), "rss_before_load_bytes": self.rss_before_bytes}
+        # Page faults during the forward (weights that were not mapped in show here, not in
+        # the load report), and the CPU time of the thread that ran it: well under the
+        # wall time means the forward waited for a core.
+        faults = {"major": after.ru_majflt - before.ru_majflt,
+                  "minor": after.ru_minflt - before.ru_minflt}
         return {"next_token": token, "load": self.report.as_dict(), "memory": memory,
-                "pid": os.getpid(), "forwards": self.forwards, "forward_s": round(forward_s, 4)}
+                "pid": os.getpid(), "forwards": self.forwards, "forward_s": round(forward_s, 4),
+                "forward_faults": faults, "forward_cpu_s": round(cpu_s, 4)}
 
 
 def causal_lm_deployment(url: str, *, deployment: str = "CausalLM", route: str = "/lm",

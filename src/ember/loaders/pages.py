@@ -160,11 +160,31 @@ def populate(spans: Sequence[tuple[int, int]], *, workers: int = 4,
 
 
 def _populate_read(address: int, length: int) -> int:
-    """0, or the errno of this thread's failed call."""
+    """0, or the errno of this thread's failed call; on success the chunk is touched."""
     first = address & ~(_PAGE - 1)  # madvise wants a page-aligned start
     if int(_libc.madvise(first, address + length - first, _POPULATE_READ)) == 0:
+        touch(first, address + length - first)
         return 0
     return ctypes.get_errno()
+
+
+def touch(address: int, length: int) -> int:
+    """Read one byte of every page of ``[address, address + length)``; the pages touched.
+
+    A page the disk has just filled was written by the device, not by a CPU. In a virtual
+    machine whose host backs guest memory lazily (free page reporting, ballooning, as in
+    Firecracker), the first CPU access to such a page traps to the host: on the VM this
+    project is developed on, a 2 GB model's first forward after a cold load took 5-10x the
+    CPU time of a warm one (``first_forward_cpu_s`` in ``bench/coldstart_sizes.py``).
+    Touching each chunk right after its read pays that in the populate workers, while the
+    disk is still reading the next chunks; on bare metal it is one cache miss per page.
+    numpy's reduction runs without the GIL, so the workers touch side by side.
+    """
+    pages = (length + _PAGE - 1) // _PAGE
+    if pages:
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+        view[::_PAGE].sum(dtype=np.uint64)
+    return pages
 
 
 def evict(path: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
 from ember.errors import InsufficientMemory
-from ember.loaders import wait_for_cache_writes
+from ember.loaders import pages, wait_for_cache_writes
 from ember.loaders.pages import evict, populate, prefetch, resident_bytes
 
 from support import bench_module
@@ -86,12 +86,42 @@ def test_prefetch_reads_only_what_is_not_resident(tmp_path: Path) -> None:
     assert prefetch([path]) == 0
 
 
-def _mapped_rss_bytes(address: int) -> int:
-    """This process's resident bytes of the mapping that starts at ``address`` (smaps)."""
+def _mapped_rss_bytes(address: int, field: str = "Rss") -> int:
+    """This process's resident (or ``field``) bytes of the mapping that starts at
+    ``address`` (smaps)."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"{address:x}-"))
-    rss = next(line for line in lines[start + 1:] if line.startswith("Rss:"))
+    rss = next(line for line in lines[start + 1:] if line.startswith(f"{field}:"))
     return int(rss.split()[1]) * 1024
+
+
+def test_touch_reads_every_page_and_populate_touches_each_chunk_it_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (8 << 20))
+    evict(path)
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    address = flat.data_ptr()
+    touched: list[tuple[int, int]] = []
+    real_touch = pages.touch
+
+    def spy(address: int, length: int) -> int:
+        touched.append((address, length))
+        return real_touch(address, length)
+
+    monkeypatch.setattr(pages, "touch", spy)
+    assert populate([(address, 8 << 20)], chunk_bytes=1 << 20)
+    # Every chunk, right after its read (in the worker that read it).
+    assert sorted(touched) == [(address + i * (1 << 20), 1 << 20) for i in range(8)]
+    # The CPU reads each page: the accessed bits cleared, then set again by touch() alone.
+    Path("/proc/self/clear_refs").write_text("1")
+    assert _mapped_rss_bytes(address, "Referenced") == 0
+    assert real_touch(address, 8 << 20) == 2048
+    assert _mapped_rss_bytes(address, "Referenced") == 8 << 20
+    del flat
+    mapping.close()
 
 
 def test_populate_reads_into_the_mapping_itself_with_no_copy(tmp_path: Path) -> None:
