@@ -22,7 +22,10 @@ Measured, on one torch thread (as a ``num_cpus=1`` replica), the same seeded req
   c=1.
 
 Continuous c=16 and static c=16 alternate for ``--rounds`` rounds; the median round of each
-is reported with every round kept. Output tokens/s is tokens asked for over wall time.
+is reported with every round kept. Output tokens/s is tokens asked for over wall time. Each
+continuous run records its ``anatomy`` (decode and prefill seconds, steps, and a decode
+step's median cost at each batch size), each static run its steps and the token rows it
+computed, padding included: where the ratio comes from.
 
 * ``structured``: c=16 tokens/s with a JSON schema over without (``_llm_structured.py``).
 
@@ -119,18 +122,67 @@ async def continuous(backend: Any, work: list[tuple[str, int]], concurrency: int
                 tokens += len(chunk.token_ids)
 
     started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    with StepClock(backend) as clock:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
     took = time.perf_counter() - started
     await eng.close()
     return {"name": f"continuous c={concurrency}", "requests": len(work), "tokens": tokens,
             "seconds": took, "tokens_per_s": tokens / took, "steps": eng.steps,
-            "ttft_s": h.p50_p99(ttft)}
+            "ttft_s": h.p50_p99(ttft), "anatomy": clock.summary()}
+
+
+class StepClock:
+    """Times the backend's decode and prefill forwards while a run lasts: where the run's
+    time went, and what one decode step costs at each batch size."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.decode: list[tuple[int, float]] = []  # (rows, seconds) per step
+        self.prefill: list[tuple[int, int, float]] = []  # (prompts, tokens, seconds) per call
+
+    def __enter__(self) -> StepClock:
+        decode, prefill = self.backend.decode, self.backend.prefill_many
+
+        def timed_decode(slots: list[int], *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = decode(slots, *args, **kwargs)
+            self.decode.append((len(slots), time.perf_counter() - started))
+            return out
+
+        def timed_prefill(slots: list[int], prompts: list[list[int]], **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = prefill(slots, prompts, **kwargs)
+            self.prefill.append((len(prompts), sum(map(len, prompts)),
+                                 time.perf_counter() - started))
+            return out
+
+        self.backend.decode, self.backend.prefill_many = timed_decode, timed_prefill
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.backend.decode, self.backend.prefill_many  # the class's methods again
+
+    def summary(self) -> dict[str, Any]:
+        by_rows: dict[int, list[float]] = {}
+        for rows, seconds in self.decode:
+            by_rows.setdefault(rows, []).append(seconds)
+        return {
+            "decode_s": round(sum(s for _, s in self.decode), 3),
+            "decode_steps": len(self.decode),
+            "decode_rows": sum(r for r, _ in self.decode),
+            "prefill_s": round(sum(s for *_, s in self.prefill), 3),
+            "prefill_calls": len(self.prefill),
+            "prefill_tokens": sum(t for _, t, _ in self.prefill),
+            "decode_ms_by_rows": {str(r): round(1000 * statistics.median(v), 1)
+                                  for r, v in sorted(by_rows.items())},
+        }
 
 
 @torch.inference_mode()
 def static(backend: Any, work: list[tuple[str, int]], batch: int) -> dict[str, Any]:
     """``generate()`` on static, left-padded batches: each runs to its longest request."""
     model, tokens, started = backend.model, 0, time.perf_counter()
+    steps = computed = 0
     for i in range(0, len(work), batch):
         group = work[i:i + batch]
         ids = [backend.encode(p) for p, _ in group]
@@ -141,9 +193,13 @@ def static(backend: Any, work: list[tuple[str, int]], batch: int) -> dict[str, A
         model.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
                        min_new_tokens=longest, do_sample=False, pad_token_id=0)
         tokens += sum(n for _, n in group)
+        steps += longest
+        computed += len(group) * (width + longest)
     took = time.perf_counter() - started
     return {"name": f"generate static batch={batch}", "requests": len(work),
-            "tokens": tokens, "seconds": took, "tokens_per_s": tokens / took}
+            "tokens": tokens, "seconds": took, "tokens_per_s": tokens / took,
+            # Forwards over the batch, and the token rows they computed, padding included.
+            "steps": steps, "rows_computed": computed}
 
 
 async def prefix_ttft(backend: Any, rounds: int, prefix_tokens: int,
