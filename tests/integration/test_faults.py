@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -148,8 +149,13 @@ def test_deployment_that_cannot_start_answers_503_not_a_hang(url: str) -> None:
     error = reply.json()["error"]
     assert "failed to start" in error["message"] and error["request_id"]
     assert "weights are nowhere" not in reply.text and "FileNotFoundError" not in reply.text
-    status = deployment_status(url, "Broken")
-    assert status["status"] in ("UNHEALTHY", "DEPLOY_FAILED")
+    # Serve keeps retrying the constructor, so between failures the deployment reads
+    # UPSCALING again: wait for a failed state, whose message names the cause.
+    def failed() -> dict[str, Any] | None:
+        status: dict[str, Any] = deployment_status(url, "Broken")
+        return status if status["status"] in ("UNHEALTHY", "DEPLOY_FAILED") else None
+
+    status = wait_for(failed, 60, what="Broken reported as failed")
     assert "weights are nowhere" in status["message"]  # shown by `ember status --json`
 
 
