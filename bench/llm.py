@@ -13,6 +13,9 @@ Measured, on one torch thread (as a ``num_cpus=1`` replica), the same seeded req
 * ``static c=16``: ``model.generate()`` on static batches of 16 of the same requests
   (left-padded, as Hugging Face batches them), each batch running to its longest request;
   only the tokens each request asked for are counted.
+* ``transformers continuous c=16``: transformers' own continuous batching
+  (``init_continuous_batching``: paged KV cache, its own scheduler thread) on the same
+  requests, 16 in flight, the next added as one finishes.
 * ``one at a time``: ``model.generate()`` on each request alone.
 * ``prefix``: time to first token of a prompt after a new 1,000-token prefix (a miss: the
   whole prompt is computed), then of another prompt after the same prefix (a hit: its 62
@@ -178,6 +181,59 @@ class StepClock:
         }
 
 
+def hf_continuous(backend: Any, work: list[tuple[str, int]], concurrency: int
+                  ) -> dict[str, Any]:
+    """transformers' own continuous batching (``init_continuous_batching``: a paged KV cache
+    and its scheduler in a thread), as its users drive it: ``concurrency`` requests in
+    flight, the next one added as one finishes, each with its own ``max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    model = backend.model
+    attention = model.config._attn_implementation
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(OUTPUT_LENGTHS),
+                              eos_token_id=-1)  # -1: no EOS, every request runs its length
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    used = model.config._attn_implementation  # the manager switches to a paged kernel
+    queue, sent, tokens, asked = list(work), dict[str, float](), 0, 0
+    try:
+        started = time.perf_counter()
+
+        def submit() -> None:
+            nonlocal asked
+            prompt, length = queue.pop(0)
+            asked += length
+            rid = manager.add_request(backend.encode(prompt), max_new_tokens=length,
+                                      eos_token_id=-1)
+            sent[str(rid)] = time.perf_counter()
+
+        for _ in range(min(concurrency, len(queue))):
+            submit()
+        while sent:
+            result = manager.get_result(timeout=120)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching returned nothing in 120 s")
+            if result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"transformers' continuous batching: {result.error}")
+                sent.pop(result.request_id)
+                tokens += len(result.generated_tokens)
+                if queue:
+                    submit()
+        took = time.perf_counter() - started
+    finally:
+        manager.stop(block=True)
+        if hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
+        if model.config._attn_implementation != attention:  # for Ember's engine after it
+            model.set_attn_implementation(attention)
+    if tokens != asked:
+        raise RuntimeError(f"transformers' continuous batching gave {tokens} of {asked} tokens")
+    return {"name": f"transformers continuous c={concurrency}", "requests": len(work),
+            "tokens": tokens, "seconds": took, "tokens_per_s": tokens / took,
+            "attention": used}
+
+
 @torch.inference_mode()
 def static(backend: Any, work: list[tuple[str, int]], batch: int) -> dict[str, Any]:
     """``generate()`` on static, left-padded batches: each runs to its longest request."""
@@ -266,6 +322,8 @@ def ratios_of(out: dict[str, Any]) -> dict[str, Any]:
     one = sweep.get("one_at_a_time", {}).get("tokens_per_s")
     return {
         "c16_continuous_over_static": out["c16"]["ratio"]["median"],
+        "c16_continuous_over_hf_continuous": (out["c16"].get("ratio_over_hf_continuous")
+                                              or {}).get("median"),
         "prefix_hit_over_miss_ttft": (out.get("prefix") or {}).get("hit_over_miss", {}).get(
             "median"),
         "c16_continuous_over_one_at_a_time": h.ratio(out["c16"]["continuous_tps"], one),
@@ -291,7 +349,8 @@ def main() -> int:
     backend = load()
     out["model_params"] = sum(p.numel() for p in backend.model.parameters())
     work = workload(args.requests, args.seed)
-    rounds: dict[str, list[dict[str, Any]]] = {"continuous": [], "static": []}
+    rounds: dict[str, list[dict[str, Any]]] = {"continuous": [], "static": [],
+                                               "hf_continuous": []}
     sweep: dict[str, Any] = {}
     only = set(args.only.split(","))
     with h.deadline_run(args.deadline_s, errors) as deadline:
@@ -303,9 +362,11 @@ def main() -> int:
             def pair() -> None:
                 rounds["continuous"].append(asyncio.run(continuous(backend, work, 16)))
                 rounds["static"].append(static(backend, work, 16))
+                rounds["hf_continuous"].append(hf_continuous(backend, work, 16))
                 print(f"round {len(rounds['static'])}: continuous "
                       f"{rounds['continuous'][-1]['tokens_per_s']:.1f} tokens/s, static "
-                      f"{rounds['static'][-1]['tokens_per_s']:.1f}", flush=True)
+                      f"{rounds['static'][-1]['tokens_per_s']:.1f}, transformers continuous "
+                      f"{rounds['hf_continuous'][-1]['tokens_per_s']:.1f}", flush=True)
             h.section(f"c16 round {i}", errors, pair)
         for c in (1, 8, 32) if "sweep" in only else ():
             def one(c: int = c) -> None:
@@ -329,10 +390,16 @@ def main() -> int:
         if "http" in only:
             h.section("http", errors, http)
     cont, stat = median_round(rounds["continuous"]), median_round(rounds["static"])
+    hf = median_round(rounds["hf_continuous"])
     out["c16"] = {"continuous_tps": cont.get("tokens_per_s"),
                   "static_tps": stat.get("tokens_per_s"),
                   "ratio": ratio_spread(rounds["continuous"], rounds["static"]),
-                  "continuous": cont, "static": stat}
+                  "continuous": cont, "static": stat,
+                  # transformers' own continuous batching, the engine the issue asked to use
+                  # where it measures well: Ember's engine over it, round by round.
+                  "hf_continuous_tps": hf.get("tokens_per_s"), "hf_continuous": hf,
+                  "ratio_over_hf_continuous": ratio_spread(rounds["continuous"],
+                                                           rounds["hf_continuous"])}
     out["sweep"] = sweep
     out.setdefault("http", None)
     out = kept_sections(out, only, args.short)

@@ -155,6 +155,11 @@ def llm(doc: dict[str, Any]) -> Cells:
              (tps, "Ember"): f"{c16['continuous_tps']:.1f}",
              (tps, "peer"): f"{c16['static_tps']:.1f}",
              (tps, ratio): f"{c16['ratio']['median']:.2f}x"}
+    if c16.get("hf_continuous_tps"):
+        row = "tokens/s at c=16: Ember / transformers' continuous batching"
+        cells |= {(row, "Ember"): f"{c16['continuous_tps']:.1f}",
+                  (row, "peer"): f"{c16['hf_continuous_tps']:.1f}",
+                  (row, ratio): f"{c16['ratio_over_hf_continuous']['median']:.2f}x"}
     if doc.get("structured"):
         runs = doc["structured"]["runs"]
         row = "tokens/s at c=16: with a JSON schema / without"
