@@ -238,8 +238,8 @@ class CausalLM:
     # long as the request's own (it reads every weight). The first forward's one-time costs
     # are the process's (thread pool, kernel dispatch, first allocations): a warm-runtime
     # worker pays them when it starts (``control/torch_warm``), and the populated mapping
-    # leaves the first forward no page faults. Measured on the 2 GB rung, one thread: the
-    # first forward in such a process took as long as the second (0.20-0.25 s each).
+    # leaves the first forward no page faults. In the size bench, a replica's first forward
+    # takes as long as its second (``disk_warm`` rows: ``first_forward_s``, ``forward_s``).
 
     def setup(self) -> None:
         self.rss_before_bytes = memory_bytes()["rss_bytes"]

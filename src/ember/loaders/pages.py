@@ -174,8 +174,9 @@ def touch(address: int, length: int) -> int:
     A page the disk has just filled was written by the device, not by a CPU. In a virtual
     machine whose host backs guest memory lazily (free page reporting, ballooning, as in
     Firecracker), the first CPU access to such a page traps to the host: on the VM this
-    project is developed on, a 2 GB model's first forward after a cold load took 5-10x the
-    CPU time of a warm one (``first_forward_cpu_s`` in ``bench/coldstart_sizes.py``).
+    project is developed on, a replica's first forward after a cold load took 3.6-6.6x a
+    warm one, with no page faults (``bench/results/coldstart_sizes.run3.json``: 2 and 6 GB,
+    ``first_forward_s`` on ``disk_cold`` against ``disk_warm``).
     Touching each chunk right after its read pays that in the populate workers, while the
     disk is still reading the next chunks; on bare metal it is one cache miss per page.
     numpy's reduction runs without the GIL, so the workers touch side by side.
