@@ -95,14 +95,19 @@ def _mapped_rss_bytes(address: int, field: str = "Rss") -> int:
     return int(rss.split()[1]) * 1024
 
 
-def test_touch_reads_every_page_and_populate_touches_each_chunk_it_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "blob"
+def _cold_mapping(path: Path) -> tuple[mmap.mmap, torch.Tensor]:
+    """An 8 MiB file at ``path``, out of the page cache, mapped copy-on-write as the loader
+    maps a blob; the mapping and a byte view of it."""
     path.write_bytes(b"\x01" * (8 << 20))
     evict(path)
     with path.open("rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def test_touch_reads_every_page_and_populate_touches_each_chunk_it_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mapping, flat = _cold_mapping(tmp_path / "blob")
     address = flat.data_ptr()
     touched: list[tuple[int, int]] = []
     real_touch = pages.touch
@@ -126,11 +131,7 @@ def test_touch_reads_every_page_and_populate_touches_each_chunk_it_read(
 
 def test_populate_reads_into_the_mapping_itself_with_no_copy(tmp_path: Path) -> None:
     path = tmp_path / "blob"
-    path.write_bytes(b"\x01" * (8 << 20))
-    evict(path)
-    with path.open("rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)
+    mapping, flat = _cold_mapping(path)
     address = flat.data_ptr()
     assert resident_bytes(path) == 0 and _mapped_rss_bytes(address) == 0
     assert populate([(address, 8 << 20)], chunk_bytes=1 << 20)
