@@ -194,8 +194,8 @@ def hf_continuous(backend: Any, work: list[tuple[str, int]], concurrency: int
                               eos_token_id=-1)  # -1: no EOS, every request runs its length
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
-    used = model.config._attn_implementation  # the manager switches to a paged kernel
-    queue, sent, tokens, asked = list(work), dict[str, float](), 0, 0
+    used = model.config._attn_implementation  # what the manager runs with (it may switch)
+    queue, sent, tokens, asked = list(work), set[str](), 0, 0
     try:
         started = time.perf_counter()
 
@@ -205,7 +205,7 @@ def hf_continuous(backend: Any, work: list[tuple[str, int]], concurrency: int
             asked += length
             rid = manager.add_request(backend.encode(prompt), max_new_tokens=length,
                                       eos_token_id=-1)
-            sent[str(rid)] = time.perf_counter()
+            sent.add(str(rid))
 
         for _ in range(min(concurrency, len(queue))):
             submit()
@@ -216,7 +216,7 @@ def hf_continuous(backend: Any, work: list[tuple[str, int]], concurrency: int
             if result.is_finished():
                 if result.error:
                     raise RuntimeError(f"transformers' continuous batching: {result.error}")
-                sent.pop(result.request_id)
+                sent.remove(result.request_id)
                 tokens += len(result.generated_tokens)
                 if queue:
                     submit()
