@@ -169,9 +169,10 @@ import transformers.models.llama.modeling_llama  # the libraries, before the bas
 from ember.deployments.causal_lm import load_causal_lm, memory_bytes, next_token
 before = memory_bytes()["rss_bytes"]
 model, report = load_causal_lm(sys.argv[1], config={"cache_dir": sys.argv[2]})
+loaded = memory_bytes()["rss_bytes"]
 next_token(model, [1, 2, 3])
-print(json.dumps({"before": before, **memory_bytes(), "weights": report.weights_bytes}),
-      flush=True)
+print(json.dumps({"before": before, "loaded": loaded, **memory_bytes(),
+                  "weights": report.weights_bytes}), flush=True)
 sys.stdin.read()
 """
 
@@ -181,7 +182,8 @@ def test_half_a_gigabyte_model_costs_its_weights_once_and_two_replicas_share_the
     ladder: ModuleType, tmp_path: Path
 ) -> None:
     """The 0.5 GB rung (the smallest where a second copy would stand out of the noise of
-    the allocator): RSS growth at most 1.1x the weights, and two replicas' PSS split them."""
+    the allocator): the load grows RSS by at most 1.2x the weights, the load and a forward
+    by at most 1.3x (a second copy would be 2x), and two replicas' PSS split them."""
     import json
 
     folder = ladder.ensure("0.5gb")
@@ -194,7 +196,11 @@ def test_half_a_gigabyte_model_costs_its_weights_once_and_two_replicas_share_the
         a = json.loads(first.stdout.readline())
         b = json.loads(second.stdout.readline())
         for got in (a, b):
-            assert got["rss_bytes"] - got["before"] <= 1.1 * got["weights"], got
+            # On a two-core dev VM the load grows RSS by 1.02x the weights and a forward adds
+            # 12 MiB; one CI machine measured 1.10x in all, with larger libraries
+            # (``before``): the margins leave room for the machine, not for a copy.
+            assert got["loaded"] - got["before"] <= 1.2 * got["weights"], got
+            assert got["rss_bytes"] - got["before"] <= 1.3 * got["weights"], got
         import psutil
 
         pss = [psutil.Process(p.pid).memory_full_info().pss for p in (first, second)]
