@@ -18,8 +18,9 @@ the peers a user would pick, each building the same model from the same files in
 that has imported torch and transformers once (``_sizes_peer.py``), Ember's own load
 (``ember``) among them. Rounds alternate Ember's cluster trial and the peers; medians.
 
-The cluster's warm-runtime workers preload transformers' Llama module (as ``ember run``
-preloads a deployment's imports), so ``weights`` is the load itself.
+The cluster's warm-runtime workers preload what ``ember run`` preloads for the app (the
+deployment's module, with transformers' model code), so ``weights`` is the load itself; each
+trial records the modules its replica still imported in ``setup()`` (``setup_imports``).
 
 The S3 ceiling is measured again before each ``regional`` trial (the machine is shared and
 its speed moves); the ``regional`` limit is the median of those measurements.
@@ -58,7 +59,15 @@ PEERS_DISK = ("ember", "from_pretrained", "load_file", "fastsafetensors", "runai
 PEERS_S3 = ("ember", "runai", "s3_download+from_pretrained")
 PATHS = ("disk_cold", "disk_warm", "regional", "second_replica")
 S3_OPTIONS = {"key": "testing", "secret": "testing"}
-PRELOAD = ("transformers.models.llama.modeling_llama",)
+
+
+def preload() -> tuple[str, ...]:
+    """What ``ember run`` preloads for a causal-LM app: the deployment's module, which imports
+    transformers' model code; the architecture's module is left to ``setup()``, as for users."""
+    from ember.cluster.runtime import app_modules
+    from ember.deployments.causal_lm import causal_lm_app
+
+    return tuple(app_modules(causal_lm_app("file:///unused")))
 
 
 class Peers:
@@ -182,7 +191,8 @@ def _forwards(body: dict[str, Any]) -> dict[str, Any]:
     """The cold request's own forward (timed in the replica) and how many the replica ran."""
     return {"first_forward_s": body.get("forward_s"), "forwards": body.get("forwards"),
             "first_forward_faults": body.get("forward_faults"),
-            "first_forward_cpu_s": body.get("forward_cpu_s")}
+            "first_forward_cpu_s": body.get("forward_cpu_s"),
+            "setup_imports": len(body.get("setup_imports", []))}
 
 
 def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:
@@ -390,7 +400,7 @@ def main() -> int:
     peers: Peers | None = None
     try:
         peers = Peers(endpoint)
-        base = _serving.start_serve(h.free_port(), preload=PRELOAD)
+        base = _serving.start_serve(h.free_port(), preload=preload())
         for size in args.sizes:
             def one(size: str = size) -> None:
                 rung = Rung(size, work, endpoint)
@@ -419,7 +429,7 @@ def main() -> int:
                      "versitygw are not packaged there; s3rver is slower than moto)",
         "config": {"sizes": args.sizes, "trials": args.trials, "paths": paths,
                    "tokens": len(TOKENS),
-                   "preload": PRELOAD, "replica_cpus": _serving.REPLICA_CPUS},
+                   "preload": preload(), "replica_cpus": _serving.REPLICA_CPUS},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
     }, short=args.short)
     return 0 if not errors else 1

@@ -55,3 +55,65 @@ def test_a_worker_warms_the_s3_client_only_when_its_imports_brought_botocore(
     before: str, expected: dict[str, bool]
 ) -> None:
     assert _probe(before) == expected
+
+
+def test_an_app_names_modules_its_setup_imports_and_the_workers_preload_them() -> None:
+    from ember.app.app import App
+    from ember.app.decorator import deployment
+    from ember.cluster.runtime import app_modules
+
+    @deployment(route="/ping")
+    class Ping:
+        def __call__(self) -> str:
+            return "pong"
+
+    app = App([Ping], preload=("transformers.modeling_utils",))
+    assert app_modules(app) == [Ping.__module__, "transformers.modeling_utils"]
+    assert "transformers.modeling_utils" in system_config(app_modules(app))[
+        "preload_python_modules"]
+
+
+_SETUP_IMPORTS = """
+import json, sys
+import {module}
+before = set(sys.modules)
+{call}
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+@pytest.mark.parametrize("module,call", [
+    # Only the architecture's own module (transformers.models.llama.*) is left for setup().
+    ("ember.deployments.causal_lm",
+     "ember.deployments.causal_lm.build_on_meta({'model_type': 'llama', 'hidden_size': 64, "
+     "'intermediate_size': 128, 'num_hidden_layers': 1, 'num_attention_heads': 2, "
+     "'num_key_value_heads': 2, 'vocab_size': 128})"),
+    ("ember.deployments._textgen_hf",
+     "from transformers import AutoModelForCausalLM, LlamaConfig\n"
+     "AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, "
+     "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=128))"),
+])
+def test_a_transformers_deployment_module_leaves_its_setup_only_the_architecture(
+    module: str, call: str
+) -> None:
+    """transformers' names are lazy: without the eager imports (``_hf_preload``) a first
+    model build imports hundreds of modules, seconds of CPU on a cold replica's path."""
+    probe = _SETUP_IMPORTS.format(module=module, call=call)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, check=True)
+    imported = json.loads(done.stdout.splitlines()[-1])
+    assert all(m.startswith("transformers.models.llama") for m in imported), imported
+
+
+@pytest.mark.parametrize("model,preloaded", [(None, False), ("/models/qwen2-0.5b", True)])
+def test_the_textgen_app_preloads_the_transformers_backend_only_when_it_serves_one(
+    model: str | None, preloaded: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_TEXTGEN_MODEL"}
+    if model is not None:
+        env["EMBER_TEXTGEN_MODEL"] = model
+    probe = ("from ember.deployments.textgen import app\n"
+             "from ember.cluster.runtime import app_modules\nprint(app_modules(app))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, check=True, env=env)
+    assert ("ember.deployments._textgen_hf" in done.stdout) is preloaded, done.stdout

@@ -72,6 +72,9 @@ class App:
         warm_pool_bytes: Model memory (torch parameters and buffers) each pool replica keeps
             constructed, least recently used out; ``None`` reads ``EMBER_WARM_POOL_BYTES``
             (default 2 GiB).
+        preload: More modules the warm runtime's workers import before they become replicas,
+            beside the deployments' own modules: what a ``setup()`` imports only when it
+            runs (transformers' model code is seconds of CPU), so that a cold start does not.
 
     Raises:
         ConfigError: on duplicate deployment names or routes.
@@ -95,6 +98,7 @@ class App:
         protocols: Sequence[Protocol] = (),
         warm_pool: int | None = None,
         warm_pool_bytes: int | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"app name {name!r} must look like 'ember' or 'my-app'")
@@ -105,6 +109,7 @@ class App:
         self.protocols = tuple(protocols)
         self.warm_pool = _count("warm_pool", warm_pool)
         self.warm_pool_bytes = _count("warm_pool_bytes", warm_pool_bytes)
+        self.preload = tuple(preload)
         self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
         self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
         stages = [stage for pipe in self.pipelines for stage in pipe.stages]

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+# transformers' model code at import: the app preloads this module in the warm runtime.
+from ember.deployments import _hf_preload  # noqa: F401
 from ember.deployments._textgen_backend import Backend, Detokenizer
 from ember.deployments._textgen_lora import LoraAdapters
 from ember.deployments._textgen_pack import groups, pack

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -36,13 +37,14 @@ from typing import Any, ClassVar
 
 import psutil
 import torch
-
-# At import, not in setup(): a warm-runtime worker preloads the deployment's module, so a
-# replica finds transformers imported (seconds of CPU on a busy node) before it starts.
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ember
 from ember import loaders
+
+# At import, not in setup(): a warm-runtime worker preloads the deployment's module, so a
+# replica finds transformers' model code imported (seconds of CPU on a busy node).
+from ember.deployments import _hf_preload  # noqa: F401
 from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
 from ember.loaders.limits import record_load
@@ -243,7 +245,10 @@ class CausalLM:
 
     def setup(self) -> None:
         self.rss_before_bytes = memory_bytes()["rss_bytes"]
+        imported = set(sys.modules)
         self.model, self.report = load_causal_lm(self.weights_url, config=self.loader_options)
+        #: Modules the load imported: none in a warm-runtime worker, which preloaded them.
+        self.setup_imports = sorted(set(sys.modules) - imported)
         #: Forward passes this replica ran, each request's own included.
         self.forwards = 0
 
@@ -262,7 +267,8 @@ class CausalLM:
                   "minor": after.ru_minflt - before.ru_minflt}
         return {"next_token": token, "load": self.report.as_dict(), "memory": memory,
                 "pid": os.getpid(), "forwards": self.forwards, "forward_s": round(forward_s, 4),
-                "forward_faults": faults, "forward_cpu_s": round(cpu_s, 4)}
+                "forward_faults": faults, "forward_cpu_s": round(cpu_s, 4),
+                "setup_imports": self.setup_imports}
 
 
 def causal_lm_deployment(url: str, *, deployment: str = "CausalLM", route: str = "/lm",

@@ -253,6 +253,9 @@ class TextGen:
 app = ember.App(
     [TextGen],
     name="textgen",
+    # A transformers model's backend (and transformers' model code) in the warm runtime's
+    # workers, so that a cold replica does not import it; the shipped TinyLM needs neither.
+    preload=("ember.deployments._textgen_hf",) if served_model()[0] is not None else (),
     protocols=[OpenAIGeneration(deployment="TextGen", attr="generate",
                                 model=served_model()[1],
                                 adapters=tuple(settings.load().textgen_adapters))],
