@@ -105,15 +105,20 @@ def test_a_transformers_deployment_module_leaves_its_setup_only_the_architecture
     assert all(m.startswith("transformers.models.llama") for m in imported), imported
 
 
-@pytest.mark.parametrize("model,preloaded", [(None, False), ("/models/qwen2-0.5b", True)])
+@pytest.mark.parametrize("served,preloaded", [
+    ({}, []),
+    ({"EMBER_TEXTGEN_MODEL": "/models/qwen2-0.5b"}, ["ember.deployments._textgen_hf"]),
+    ({"EMBER_TEXTGEN_MODEL": "/models/qwen2-0.5b", "EMBER_TEXTGEN_ADAPTERS": "a=file:///a"},
+     ["ember.deployments._textgen_hf", "peft"]),
+])
 def test_the_textgen_app_preloads_the_transformers_backend_only_when_it_serves_one(
-    model: str | None, preloaded: bool
+    served: dict[str, str], preloaded: list[str]
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "EMBER_TEXTGEN_MODEL"}
-    if model is not None:
-        env["EMBER_TEXTGEN_MODEL"] = model
-    probe = ("from ember.deployments.textgen import app\n"
-             "from ember.cluster.runtime import app_modules\nprint(app_modules(app))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_TEXTGEN_")}
+    probe = ("import json\nfrom ember.deployments.textgen import app\n"
+             "from ember.cluster.runtime import app_modules\n"
+             "print(json.dumps(app_modules(app)))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=300, check=True, env=env)
-    assert ("ember.deployments._textgen_hf" in done.stdout) is preloaded, done.stdout
+                          timeout=300, check=True, env={**env, **served})
+    modules = json.loads(done.stdout.splitlines()[-1])
+    assert modules == sorted(["ember.deployments.textgen", *preloaded]), modules

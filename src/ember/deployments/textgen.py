@@ -250,12 +250,19 @@ class TextGen:
             yield chunk
 
 
+def _preload() -> tuple[str, ...]:
+    """What the warm runtime's workers import for this app, so that a cold replica (or a
+    cold adapter) does not: a transformers model's backend, with transformers' model code,
+    and peft when adapters are served. The shipped TinyLM needs neither."""
+    config = settings.load()
+    hf = ("ember.deployments._textgen_hf",) if config.textgen_model is not None else ()
+    return (*hf, "peft") if hf and config.textgen_adapters else hf
+
+
 app = ember.App(
     [TextGen],
     name="textgen",
-    # A transformers model's backend (and transformers' model code) in the warm runtime's
-    # workers, so that a cold replica does not import it; the shipped TinyLM needs neither.
-    preload=("ember.deployments._textgen_hf",) if served_model()[0] is not None else (),
+    preload=_preload(),
     protocols=[OpenAIGeneration(deployment="TextGen", attr="generate",
                                 model=served_model()[1],
                                 adapters=tuple(settings.load().textgen_adapters))],
