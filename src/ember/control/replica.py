@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -138,12 +139,13 @@ async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> Repli
     timeline = ReplicaTimeline(process_started_at=coldstart.process_started_at(),
                                imported_at=coldstart.IMPORTED_AT, init_started_at=time.time(),
                                prewarmed=prewarmed)
-    started = time.monotonic()
+    started, imported = time.monotonic(), set(sys.modules)
     impl = spec.cls()
     setup = getattr(impl, "setup", None)
     if setup is not None:
         await call_user(setup)
     timeline.setup_s = time.monotonic() - started
+    timeline.setup_imports = _tell_setup_imports(spec.name, imported)
     warmup = getattr(impl, "warmup", None)
     if warmup is not None:  # first forward pass, before the replica reports ready
         started = time.monotonic()
@@ -153,6 +155,29 @@ async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> Repli
     core = ReplicaCore(spec, impl)
     core.timeline = timeline
     return core
+
+
+#: A constructor and ``setup()`` that import this many modules are told so in the log.
+SETUP_IMPORTS_TOLD = 20
+
+
+def _tell_setup_imports(name: str, before: set[str]) -> int:
+    """How many modules the constructor and ``setup()`` imported; a warning past
+    :data:`SETUP_IMPORTS_TOLD`.
+
+    Those imports run on every cold start, however warm the process: a library whose names
+    are lazy (transformers) loads its code in the first call. Counted from ``sys.modules``, so
+    in a pool replica another deployment's setup running meanwhile may add to it.
+    """
+    new = set(sys.modules) - before
+    if len(new) >= SETUP_IMPORTS_TOLD:
+        top = Counter(m.partition(".")[0] for m in new).most_common(3)
+        logger.warning(
+            "%s: its constructor and setup() imported %d modules (mostly %s), on the path of "
+            "every cold start; import them at module level in the deployment's module, or "
+            "name them in ember.App(preload=[...]), and the warm runtime imports them before "
+            "a request", name, len(new), ", ".join(package for package, _ in top))
+    return len(new)
 
 
 def replica_class(spec: DeploymentSpec) -> type:
