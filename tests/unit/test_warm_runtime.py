@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,12 +40,18 @@ print(json.dumps({{"warmed": bool(warm.WARMED), "botocore": "botocore" in sys.mo
 """
 
 
+def _run_json(code: str, env: dict[str, str] | None = None) -> Any:
+    """Run ``code`` in a fresh interpreter on this checkout's ``src``; its last line, parsed."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _probe(before: str) -> dict[str, bool]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(before=before)], env=env,
-                         capture_output=True, text=True, timeout=120, check=True)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return dict(_run_json(_PROBE.format(before=before)))
 
 
 @pytest.mark.parametrize(("before", "expected"), [
@@ -67,10 +74,26 @@ def test_an_app_names_modules_its_setup_imports_and_the_workers_preload_them() -
         def __call__(self) -> str:
             return "pong"
 
-    app = App([Ping], preload=("transformers.modeling_utils",))
+    app = App([Ping], preload_modules=("transformers.modeling_utils",))
     assert app_modules(app) == [Ping.__module__, "transformers.modeling_utils"]
     assert "transformers.modeling_utils" in system_config(app_modules(app))[
         "preload_python_modules"]
+
+
+@pytest.mark.parametrize("names", ["peft", ["peft", "torch,numpy"], ["../x"], [3]])
+def test_preload_modules_must_be_a_list_of_module_names(names: Any) -> None:
+    """A lone string would read as one module per letter; Ray splits the list on commas."""
+    from ember.app.app import App
+    from ember.app.decorator import deployment
+    from ember.errors import ConfigError
+
+    @deployment(route="/ping")
+    class Ping:
+        def __call__(self) -> str:
+            return "pong"
+
+    with pytest.raises(ConfigError, match="preload_modules"):
+        App([Ping], preload_modules=names)
 
 
 _SETUP_IMPORTS = """
@@ -82,6 +105,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,call", [
     # Only the architecture's own module (transformers.models.llama.*) is left for setup().
     ("ember.deployments.causal_lm",
@@ -98,13 +122,11 @@ def test_a_transformers_deployment_module_leaves_its_setup_only_the_architecture
 ) -> None:
     """transformers' names are lazy: without the eager imports (``_hf_preload``) a first
     model build imports hundreds of modules, seconds of CPU on a cold replica's path."""
-    probe = _SETUP_IMPORTS.format(module=module, call=call)
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=300, check=True)
-    imported = json.loads(done.stdout.splitlines()[-1])
+    imported = _run_json(_SETUP_IMPORTS.format(module=module, call=call))
     assert all(m.startswith("transformers.models.llama") for m in imported), imported
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("served,preloaded", [
     ({}, []),
     ({"EMBER_TEXTGEN_MODEL": "/models/qwen2-0.5b"}, ["ember.deployments._textgen_hf"]),
@@ -118,7 +140,5 @@ def test_the_textgen_app_preloads_the_transformers_backend_only_when_it_serves_o
     probe = ("import json\nfrom ember.deployments.textgen import app\n"
              "from ember.cluster.runtime import app_modules\n"
              "print(json.dumps(app_modules(app)))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=300, check=True, env={**env, **served})
-    modules = json.loads(done.stdout.splitlines()[-1])
+    modules = _run_json(probe, {**env, **served})
     assert modules == sorted(["ember.deployments.textgen", *preloaded]), modules

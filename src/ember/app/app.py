@@ -4,6 +4,7 @@ the adapters themselves are the edge's (``edge/protocols/``)."""
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,9 +73,10 @@ class App:
         warm_pool_bytes: Model memory (torch parameters and buffers) each pool replica keeps
             constructed, least recently used out; ``None`` reads ``EMBER_WARM_POOL_BYTES``
             (default 2 GiB).
-        preload: More modules the warm runtime's workers import before they become replicas,
-            beside the deployments' own modules: what a ``setup()`` imports only when it
-            runs (transformers' model code is seconds of CPU), so that a cold start does not.
+        preload_modules: More modules the warm runtime's workers import before they become
+            replicas, beside the deployments' own modules: what a ``setup()`` imports only
+            when it runs (transformers' model code is seconds of CPU), so that a cold start
+            does not. Every worker of the local cluster imports them, edges included.
 
     Raises:
         ConfigError: on duplicate deployment names or routes.
@@ -98,7 +100,7 @@ class App:
         protocols: Sequence[Protocol] = (),
         warm_pool: int | None = None,
         warm_pool_bytes: int | None = None,
-        preload: Sequence[str] = (),
+        preload_modules: Sequence[str] = (),
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise ConfigError(f"app name {name!r} must look like 'ember' or 'my-app'")
@@ -109,7 +111,7 @@ class App:
         self.protocols = tuple(protocols)
         self.warm_pool = _count("warm_pool", warm_pool)
         self.warm_pool_bytes = _count("warm_pool_bytes", warm_pool_bytes)
-        self.preload = tuple(preload)
+        self.preload_modules = _module_names(preload_modules)
         self.pipelines = tuple(d for d in deployments if isinstance(d, PipelineSpec))
         self.served = tuple(get_spec(d) for d in deployments if not isinstance(d, PipelineSpec))
         stages = [stage for pipe in self.pipelines for stage in pipe.stages]
@@ -197,6 +199,21 @@ class App:
 
     def __repr__(self) -> str:
         return f"App(name={self.name!r}, deployments={[s.name for s in self.specs]})"
+
+
+#: A dotted module name: Ray joins the preload list with commas, so nothing else may pass.
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _module_names(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` as a tuple, each a dotted module name (a lone string is refused: it would
+    read as one module per letter)."""
+    if isinstance(names, str):
+        raise ConfigError(f"preload_modules must be a list of module names, got {names!r}")
+    bad = [n for n in names if not isinstance(n, str) or not _MODULE_NAME.match(n)]
+    if bad:
+        raise ConfigError(f"preload_modules: {bad[0]!r} is not a module name like 'pkg.mod'")
+    return tuple(names)
 
 
 def _count(name: str, value: int | None) -> int:

@@ -186,7 +186,7 @@ _WARM_RUNTIME_WAIT_S = 60.0
 def app_modules(app: App) -> list[str]:
     """Modules that define ``app``'s deployments and those it asks to preload (what a
     warm-runtime worker imports)."""
-    return sorted({spec.cls.__module__ for spec in app.specs} | set(app.preload))
+    return sorted({spec.cls.__module__ for spec in app.specs} | set(app.preload_modules))
 
 
 def start_ray(*, address: str | None = None, num_cpus: float | None = None,

@@ -76,7 +76,6 @@ class ReplicaTimeline:
     ready_at: float = 0.0
     prewarmed: bool = False  # True in a pool process: nothing was started for the request
     device_s: float = 0.0  # the GPU pool's host-to-device move for this request, if any
-    setup_imports: int = 0  # modules the constructor and setup() imported (cold-path imports)
 
     def as_dict(self) -> dict[str, float | bool]:
         return asdict(self)

@@ -145,7 +145,8 @@ async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> Repli
     if setup is not None:
         await call_user(setup)
     timeline.setup_s = time.monotonic() - started
-    timeline.setup_imports = _tell_setup_imports(spec.name, imported)
+    if not prewarmed:  # a pool process builds several deployments at once: no fair count
+        _tell_setup_imports(spec.name, imported)
     warmup = getattr(impl, "warmup", None)
     if warmup is not None:  # first forward pass, before the replica reports ready
         started = time.monotonic()
@@ -161,13 +162,12 @@ async def instantiate(spec: DeploymentSpec, *, prewarmed: bool = False) -> Repli
 SETUP_IMPORTS_TOLD = 20
 
 
-def _tell_setup_imports(name: str, before: set[str]) -> int:
-    """How many modules the constructor and ``setup()`` imported; a warning past
-    :data:`SETUP_IMPORTS_TOLD`.
+def _tell_setup_imports(name: str, before: set[str]) -> None:
+    """A warning when the constructor and ``setup()`` imported
+    :data:`SETUP_IMPORTS_TOLD` modules or more.
 
     Those imports run on every cold start, however warm the process: a library whose names
-    are lazy (transformers) loads its code in the first call. Counted from ``sys.modules``, so
-    in a pool replica another deployment's setup running meanwhile may add to it.
+    are lazy (transformers) loads its code in the first call.
     """
     new = set(sys.modules) - before
     if len(new) >= SETUP_IMPORTS_TOLD:
@@ -175,9 +175,8 @@ def _tell_setup_imports(name: str, before: set[str]) -> int:
         logger.warning(
             "%s: its constructor and setup() imported %d modules (mostly %s), on the path of "
             "every cold start; import them at module level in the deployment's module, or "
-            "name them in ember.App(preload=[...]), and the warm runtime imports them before "
-            "a request", name, len(new), ", ".join(package for package, _ in top))
-    return len(new)
+            "name them in ember.App(preload_modules=[...]), and the warm runtime imports "
+            "them before a request", name, len(new), ", ".join(p for p, _ in top))
 
 
 def replica_class(spec: DeploymentSpec) -> type:

@@ -247,8 +247,9 @@ class CausalLM:
         self.rss_before_bytes = memory_bytes()["rss_bytes"]
         imported = set(sys.modules)
         self.model, self.report = load_causal_lm(self.weights_url, config=self.loader_options)
-        #: Modules the load imported: none in a warm-runtime worker, which preloaded them.
-        self.setup_imports = sorted(set(sys.modules) - imported)
+        #: How many modules the load imported: the architecture's and the URL scheme's
+        #: (transformers' model code came with this module, see ``_hf_preload``).
+        self.setup_imports = len(set(sys.modules) - imported)
         #: Forward passes this replica ran, each request's own included.
         self.forwards = 0
 

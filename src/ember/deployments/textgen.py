@@ -250,7 +250,7 @@ class TextGen:
             yield chunk
 
 
-def _preload() -> tuple[str, ...]:
+def _preload_modules() -> tuple[str, ...]:
     """What the warm runtime's workers import for this app, so that a cold replica (or a
     cold adapter) does not: a transformers model's backend, with transformers' model code,
     and peft when adapters are served. The shipped TinyLM needs neither."""
@@ -262,7 +262,7 @@ def _preload() -> tuple[str, ...]:
 app = ember.App(
     [TextGen],
     name="textgen",
-    preload=_preload(),
+    preload_modules=_preload_modules(),
     protocols=[OpenAIGeneration(deployment="TextGen", attr="generate",
                                 model=served_model()[1],
                                 adapters=tuple(settings.load().textgen_adapters))],
