@@ -180,11 +180,25 @@ def _wait_warm_runtime(deadline: Deadline) -> None:
     is still importing torch (as ``ember run`` waits before it says it is up).
     """
     from ember import settings
+
+    if settings.load().warm_runtime:
+        time.sleep(4.0)  # past the refiller's grace period, so the used workers are missed
+        wait_warm_runtime(deadline)
+
+
+def wait_warm_runtime(deadline: Deadline) -> None:
+    """Wait until the node holds its idle pre-started workers, each done importing.
+
+    A cold trial right after another would otherwise meet the worker that replaces the one
+    the last trial took while it still imports (Ray hands out a worker that has not finished
+    its preload), and time that import as the queue: the steady state between cold starts
+    is what a trial measures.
+    """
+    from ember import settings
     from ember.control import warm_runtime
 
     wanted = settings.load().warm_runtime
     if wanted:
-        time.sleep(4.0)  # past the refiller's grace period, so the used workers are missed
         wait_until(lambda: warm_runtime.settled_idle_workers() >= wanted,
                    "the warm runtime's idle workers", deadline)
 

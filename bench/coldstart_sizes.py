@@ -18,6 +18,11 @@ the peers a user would pick, each building the same model from the same files in
 that has imported torch and transformers once (``_sizes_peer.py``), Ember's own load
 (``ember``) among them. Rounds alternate Ember's cluster trial and the peers; medians.
 
+Each cold trial starts from a node at rest: no replica of the deployment, and the warm
+runtime's idle workers back and done importing (the one the last trial took is replaced a
+few seconds later; a trial that met it importing would time that import). The second
+replica's start follows its first replica's at once, so it may still meet one.
+
 The cluster's warm-runtime workers preload what ``ember run`` preloads for the app (the
 deployment's module, with transformers' model code), so ``weights`` is the load itself; each
 trial records the modules its replica still imported in ``setup()`` (``setup_imports``).
@@ -154,6 +159,7 @@ def wait_zero(rung: Rung, key: str, base: str, deadline: h.Deadline) -> None:
     h.wait_until(lambda: _serving.ingress_view(base, name) == 0, f"edge: {name} at zero",
                  deadline)
     time.sleep(1.0)
+    _serving.wait_warm_runtime(deadline)
 
 
 def post(url: str, deadline: h.Deadline) -> tuple[dict[str, Any], float, dict[str, float]]:
@@ -209,6 +215,8 @@ def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any
     busy = threading.Thread(target=keep_busy, daemon=True)
     busy.start()
     try:
+        # Not waiting here for the worker that replaces A's: A, kept busy by requests of a
+        # few ms, would scale down meanwhile. B may meet that worker importing.
         body, took, phases = post(base + "/lm-b", deadline)
         pss = {}
         for label, pid in (("a", first["pid"]), ("b", body["pid"])):
