@@ -189,10 +189,10 @@ def _wait_warm_runtime(deadline: Deadline) -> None:
 def wait_warm_runtime(deadline: Deadline) -> None:
     """Wait until the node holds its idle pre-started workers, each done importing.
 
-    A cold trial right after another would otherwise meet the worker that replaces the one
-    the last trial took while it still imports (Ray hands out a worker that has not finished
-    its preload), and time that import as the queue: the steady state between cold starts
-    is what a trial measures.
+    A cold trial right after another would otherwise come while the worker that replaces the
+    one the last trial took still imports, and time that import as its queue (it meets that
+    worker, or shares the cores with it; the replica's phases cannot tell which): the steady
+    state between cold starts is what a trial measures.
     """
     from ember import settings
     from ember.control import warm_runtime
