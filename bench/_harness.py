@@ -379,11 +379,25 @@ def _script() -> str:
     return str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0]
 
 
+def _cpu_model() -> str | None:
+    """The processor's model name, as ``/proc/cpuinfo`` gives it (None elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.startswith("model name") and ":" in line]
+    return names[0] if names else None
+
+
 def host_facts(short: bool) -> dict[str, Any]:
     """The machine, the software and the command that produced a result."""
     return {
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        # Ratios move with the processor (a decode step is bandwidth-bound on one CPU and
+        # compute-bound on another): say which one produced them.
+        "cpu_model": _cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {name: _version(dist) for name, dist in
