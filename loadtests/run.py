@@ -70,16 +70,19 @@ OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-
 
 
 def coldstart_lm(short: bool) -> Scenario:
-    """The causal LM from zero with the page cache cold: the 2 GB ladder model (the tiny one,
-    a few MB, in the short form, whose budget then only catches a hang)."""
+    """The 2 GB ladder model from zero with the page cache cold, in both forms (the short one
+    waits less for zero). Its budgets: the slowest cold request under 20 s on 2 cores (the
+    size bench measures 2.4 s from request to first answer, README), and the load's GB/s at
+    least 0.3x the disk's, measured in the same run."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import model_ladder
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    folder = model_ladder.ensure("tiny" if short else "2gb")
-    args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2", "--zero-wait-s", "120",
-            "--weights-dir", str(folder), "--budget-cold-max-ms", "120000")
+    folder = model_ladder.ensure("2gb")
+    args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2",
+            "--zero-wait-s", "60" if short else "120", "--weights-dir", str(folder),
+            "--budget-cold-max-ms", "20000", "--budget-disk-share", "0.3")
     env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
     return Scenario("coldstart-lm", "lm_app", args, 420 if short else 600, server_env=env,
                     locustfile="coldstart_lm")
