@@ -153,7 +153,8 @@ class ColdUser(FastHttpUser):
             if resp.status_code != 200:
                 resp.failure(f"status {resp.status_code}: {resp.text[:200]}")
             elif self.sent == 0:
-                load = resp.json().get("load", {})
+                reply = resp.json()
+                load = reply.get("load", {})
                 if load.get("read_bytes", 0) > 0 or not load.get("restored", True):
                     STATE.from_storage += 1
                 print(f"[coldstart-lm] cold answer's load: {load}; cold start: "
@@ -161,9 +162,9 @@ class ColdUser(FastHttpUser):
                 gbps = load_gbps(load)
                 if gbps is not None:
                     STATE.load_gbps.append(gbps)
-                faults = int(resp.json().get("forward_faults", {}).get("major", 0))
+                faults = int(reply.get("forward_faults", {}).get("major", 0))
                 STATE.forward_major_faults = max(STATE.forward_major_faults or 0, faults)
-                imported = int(resp.json().get("setup_imports", 0))
+                imported = int(reply.get("setup_imports", 0))
                 STATE.setup_imports = max(STATE.setup_imports or 0, imported)
         self.sent += 1
         if self.sent > options.warm_requests:
@@ -188,9 +189,9 @@ def _check_budgets(environment: Any, **_: Any) -> None:
     options = environment.parsed_options
     cold = entry(environment, "lm [cold]")
     # Several users' cold requests share one load: its GB/s is each answer's report.
-    share = (round(min(STATE.load_gbps) / STATE.disk_gbps, 3)
-             if STATE.load_gbps and STATE.disk_gbps else None)
+    share = None
     if STATE.load_gbps and STATE.disk_gbps:
+        share = round(min(STATE.load_gbps) / STATE.disk_gbps, 3)
         print(f"[coldstart-lm] cold loads {[round(g, 2) for g in STATE.load_gbps]} GB/s; "
               f"disk {STATE.disk_gbps:.2f} GB/s", flush=True)
     budgets = [
