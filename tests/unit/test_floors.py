@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
@@ -87,3 +88,40 @@ def test_plan_flags_a_missed_budget_and_the_floor_that_fixes_it() -> None:
     assert rows["a"][3:] == ("misses", "warm_floor=1")
     assert rows["b"][3] == "meets"
     assert rows["c"][3] == "no budget"
+
+
+class _LeaseInMemory(EmberAutoscalingPolicy):
+    """The policy with its lease store replaced by a dict, to count and steer reads."""
+
+    lease: dict[str, float] | None = None
+    reads = 0
+
+    def _read_lease(self, app: str, deployment: str) -> dict[str, float] | None:
+        self.reads += 1
+        return self.lease
+
+
+def _tick(policy: EmberAutoscalingPolicy, now_s: float, target: int,
+          state: dict[str, float]) -> tuple[int, dict[str, float]]:
+    ctx = SimpleNamespace(app_name="a", deployment_name="d", current_time=now_s,
+                          target_num_replicas=target, total_num_requests=0.0,
+                          capacity_adjusted_min_replicas=0, capacity_adjusted_max_replicas=4,
+                          policy_state=state)
+    return policy(ctx)
+
+
+def test_a_lease_set_after_the_last_read_still_stops_the_scale_down_it_would_prevent() -> None:
+    policy = _LeaseInMemory(scaledown_after_s=1.5, target_queue_depth=1)
+    _, state = _tick(policy, 100.0, 1, {})                    # idle: the quiet window opens
+    _, state = _tick(policy, 101.0, 1, state)                 # a second on: the lease is read
+    assert policy.reads == 2
+    policy.lease = {"floor": 1, "until_s": time.time() + 60}  # an operator's lease lands now
+    replicas, _ = _tick(policy, 101.6, 1, state)              # the window has passed
+    assert replicas == 1, "scaled to zero on a lease read before the lease was set"
+    assert policy.reads == 3
+
+
+def test_without_a_lease_the_quiet_window_still_scales_to_zero() -> None:
+    policy = _LeaseInMemory(scaledown_after_s=1, target_queue_depth=1)
+    _, state = _tick(policy, 100.0, 1, {})
+    assert _tick(policy, 101.5, 1, state)[0] == 0

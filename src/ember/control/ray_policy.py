@@ -26,7 +26,7 @@ from ember import ray_internals
 from ember.app import schedule
 from ember.app.config import POLICY_IMPORT_PATH
 from ember.control import floors
-from ember.control.policy import PolicyContext, decide
+from ember.control.policy import PolicyContext, ScaleDecision, decide
 
 
 def _is_ember_managed(ctx: Any) -> bool:
@@ -68,32 +68,45 @@ class EmberAutoscalingPolicy:
         self._lease: dict[str, Any] | None = None
         self._lease_read_at = float("-inf")
 
-    def floor(self, ctx: Any, now_s: float) -> int:
-        """Constant floor, lease and schedule, whichever is highest right now."""
+    def floor(self, ctx: Any, now_s: float, *, fresh: bool = False) -> int:
+        """Constant floor, lease and schedule, whichever is highest right now.
+
+        The lease is read again when ``fresh`` or when the last read is a second old.
+        """
         lease_floor = 0
         if ctx.app_name is not None:
-            if now_s - self._lease_read_at >= _LEASE_REFRESH_S:
+            if fresh or now_s - self._lease_read_at >= _LEASE_REFRESH_S:
                 self._lease_read_at = now_s
                 # If the store is unreachable, keep the last lease seen.
                 with contextlib.suppress(Exception):
-                    self._lease = floors.LeaseStore(ctx.app_name).get(ctx.deployment_name)
+                    self._lease = self._read_lease(ctx.app_name, ctx.deployment_name)
             lease_floor = floors.leased_floor(time.time(), self._lease)
         scheduled = floors.scheduled_floor(floors.now_in(self.tz), self.windows,
                                            self.scheduled_floor) if self.windows else 0
         return max(int(ctx.capacity_adjusted_min_replicas), lease_floor, scheduled)
 
+    def _read_lease(self, app: str, deployment: str) -> dict[str, Any] | None:
+        return floors.LeaseStore(app).get(deployment)
+
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        now = ctx.current_time if ctx.current_time is not None else time.time()
-        decision = decide(
+        now = float(ctx.current_time if ctx.current_time is not None else time.time())
+        decision = self._decide(ctx, now, fresh=False)
+        if decision.replicas < int(ctx.target_num_replicas):
+            # A scale-down stops a replica that a lease set within the last second may be
+            # meant to hold: decide again on a lease read now, not on one up to a second old.
+            decision = self._decide(ctx, now, fresh=True)
+        return decision.replicas, decision.state
+
+    def _decide(self, ctx: Any, now_s: float, *, fresh: bool) -> ScaleDecision:
+        return decide(
             PolicyContext(
-                now_s=float(now),
+                now_s=now_s,
                 target_replicas=int(ctx.target_num_replicas),
                 total_requests=float(ctx.total_num_requests),
-                floor=self.floor(ctx, float(now)),
+                floor=self.floor(ctx, now_s, fresh=fresh),
                 max_replicas=int(ctx.capacity_adjusted_max_replicas),
                 target_queue_depth=self.target_queue_depth,
                 scaledown_after_s=self.scaledown_after_s,
                 state=dict(ctx.policy_state or {}),
             )
         )
-        return decision.replicas, decision.state
