@@ -161,9 +161,9 @@ def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
         paths, before = [], None
     got = loaders.snapshot_load(url, code_version=CODE_VERSION, config=cfg, device=device)
     map_s = time.perf_counter() - start
-    if not got.restored:  # a fresh load wrote a new record (or none yet, behind the load)
-        # A fresh load with write-behind holds its tensors in memory: no pages to bring in.
-        paths = [] if cfg.writes_behind(url) else snapshot_blobs(url, CODE_VERSION, cfg)
+    if not got.restored:  # a fresh load: its record is written once its fills are sealed
+        # A fresh load with write-behind holds its tensors in memory (no blobs to bring in).
+        paths = list(got.blobs)
         before = _missing_bytes(paths)
     read_s = _bring_in(got.tensors, paths) if paths else 0.0
     return _Weights(got, map_s, before or 0, read_s)

@@ -36,12 +36,18 @@ class LocalWeights:
         weight_map: tensor name -> file name for a sharded checkpoint, else ``None``.
         sources: where each file's bytes came from, in order: ``"node"`` (already in the
             node cache), ``"regional"`` or ``"origin"``.
+        files: each file's name relative to the URL's root, in the order of ``paths``.
+        published: one future per path, giving its published blob. With ``seal_behind``
+            a filled file's future is done only once it is sealed; until then its path is
+            the placed blob itself (complete, named by its checksum, not yet durable).
     """
 
     url: str
     paths: tuple[Path, ...]
     weight_map: dict[str, str] | None = None
     sources: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    published: tuple[Future[NodeHit | None], ...] = ()
 
     def load(self, *, device: str = "cpu", config: ConfigLike = None) -> dict[str, torch.Tensor]:
         """Map every file (no copy on CPU) and return its tensors.
@@ -231,7 +237,8 @@ def load(
 
 
 def resolve(
-    url: str, *, config: ConfigLike = None, progress: Progress | None = None
+    url: str, *, config: ConfigLike = None, progress: Progress | None = None,
+    seal_behind: bool = False,
 ) -> LocalWeights:
     """Fill the node (and regional) cache for ``url`` and return the local paths.
 
@@ -239,6 +246,10 @@ def resolve(
         url: the weights URL (as for :func:`stream`).
         config: a :class:`LoaderConfig` or a mapping of its fields.
         progress: optional ``(bytes_done, bytes_total)`` callback, per file.
+        seal_behind: return once every filled file is written and placed under its blob
+            name, before the disk has it durably: the fsync, the marker, the snapshot link
+            and the regional copy follow on a background thread (``published``). A crash
+            before then leaves no entry any lookup trusts.
 
     Returns:
         :class:`LocalWeights` with one node-cache path per safetensors file.
@@ -252,25 +263,34 @@ def resolve(
     regional = regional_tier(cfg)
     paths: list[Path] = []
     sources: list[str] = []
+    published: list[Fill | NodeHit] = []
     try:
         for name in target.files:
-            key, outcome = obtain(node, target.source, name, progress)
+            key, outcome = obtain(node, target.source, name, progress, seal_behind=seal_behind)
             if isinstance(outcome, Fill):
                 for _ in outcome.run():
                     pass
-                hit = outcome.hit
-                if hit is None:
+                path = outcome.placed or (outcome.hit.link if outcome.hit else None)
+                if path is None:
                     raise SourceError("fill finished without publishing", url=url)
                 sources.append(outcome.tier)
             else:
-                hit = outcome
                 if regional is not None and regional.lookup(key) is None:
-                    regional.publish_file(key, hit.path, hit.record)
+                    regional.publish_file(key, outcome.path, outcome.record)
+                path = outcome.link
                 sources.append("node")
-            paths.append(hit.link)
+            paths.append(path)
+            published.append(outcome)
     finally:
         target.source.close()
-    return LocalWeights(url, tuple(paths), target.weight_map, tuple(sources))
+        # Every placed file is sealed, even when a later one failed: it holds the ticket.
+        futures = tuple(o.publish() if isinstance(o, Fill) else _done(o) for o in published)
+    return LocalWeights(url, tuple(paths), target.weight_map, tuple(sources), target.files,
+                        futures)
+
+
+def _done(hit: NodeHit) -> Future[NodeHit | None]:
+    return done(hit)
 
 
 def cache_root(config: ConfigLike = None) -> Path:

@@ -44,8 +44,9 @@ class LoaderConfig(BaseModel):
             cache is filled from those bytes in the background; ``"through"``: every byte
             is written to the node cache as it arrives and the load returns once the blob
             is published (:func:`~ember.loaders.resolve` always works this way);
-            ``"auto"``: behind for remote origins, through for ``file://`` (see
-            :meth:`writes_behind`).
+            ``"auto"``: behind for remote origins; for ``file://``, through, but the
+            load returns before the fsync and the publication (see :meth:`writes_behind`
+            and :meth:`seals_behind`).
         storage_options: keyword arguments for the origin's fsspec filesystem
             (e.g. ``{"endpoint_url": ...}`` for s3fs).
         regional_storage_options: the same for the regional tier's filesystem.
@@ -106,6 +107,20 @@ class LoaderConfig(BaseModel):
         if self.cache_write == "auto":
             return not url.lower().startswith("file:")
         return self.cache_write == "behind"
+
+    def seals_behind(self, url: str) -> bool:
+        """Whether a load of ``url`` that writes through returns before its fills are sealed.
+
+        ``"auto"`` does, for ``file://``: the bytes are in the page cache under their blob
+        name when the load maps them; the fsync (bound by the disk's durable write speed,
+        which can be slower than its reads), the marker and the snapshot link follow on a
+        background thread. ``"through"`` waits for them.
+
+        Example:
+            >>> LoaderConfig().seals_behind("file:///m"), LoaderConfig(cache_write="through").seals_behind("file:///m")
+            (True, False)
+        """
+        return self.cache_write == "auto" and not self.writes_behind(url)
 
     def regional_url(self) -> str | None:
         """The regional tier's URL, or ``None`` when there is no regional tier."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 from ember.errors import IntegrityError
 from ember.loaders._config import LoaderConfig
@@ -15,7 +17,7 @@ from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
 from ember.loaders._tier_regional import RegionalTier
-from ember.loaders._writebehind import CacheWrite, done, submit
+from ember.loaders._writebehind import CacheSeal, CacheWrite, done, seal, submit
 
 log = logging.getLogger("ember.loaders")
 
@@ -37,9 +39,11 @@ class Fill:
         ticket: the single-flight ticket for ``key``.
         progress: optional ``(bytes_done, bytes_total)`` callback.
         behind: publish after the load (``_writebehind``) instead of writing through.
+        seal_behind: write through, but leave the fsync and the publication to
+            :meth:`publish` (:attr:`placed` is the blob's path once :meth:`run` is done).
 
     After :meth:`run` is exhausted, :attr:`hit` is the published blob (write-through), or
-    :meth:`publish` queues the write and returns the future of the blob (write-behind).
+    :meth:`publish` queues the write (or the seal) and returns the future of the blob.
     """
 
     def __init__(
@@ -52,12 +56,16 @@ class Fill:
         progress: Progress | None = None,
         *,
         behind: bool = False,
+        seal_behind: bool = False,
     ) -> None:
         self.node, self.source, self.info, self.key = node, source, info, key
         self.ticket = ticket
         self.progress = progress
         self.behind = behind
+        self.seal_behind = seal_behind and not behind
         self._job: CacheWrite | None = None
+        self._seal: CacheSeal | None = None
+        self.placed: Path | None = None
         self._published: Future[NodeHit | None] | None = None
         self._tmp: TempBlob | None = None
         self.regional = regional_tier(node.config)
@@ -119,7 +127,8 @@ class Fill:
     @property
     def read(self) -> bool:
         """Whether :meth:`run` read and checked every byte."""
-        return self.hit is not None or self._job is not None or self._published is not None
+        return self.hit is not None or self.placed is not None or self._published is not None \
+            or self._job is not None
 
     def abandon(self) -> None:
         """Give up a started fill that will not be run: no reads left, no temp file."""
@@ -148,16 +157,21 @@ class Fill:
             yield from reader.run()
             if self.behind:  # the job owns the ticket from here
                 self._job = CacheWrite(self.node, self.key, reader.info, reader.buffer,
-                                       reader.sha256, self.ticket, self._after_publish)
+                                       reader.sha256, self.ticket, self._after_publish())
                 return
             assert self._tmp is not None
             record = BlobRecord(reader.sha256, self.info.size)
+            if self.seal_behind:  # the seal owns the ticket from here
+                self.placed = self.node.place(self.key, self._tmp, record)
+                self._seal = CacheSeal(self.node, self.key, self.placed, record, self.ticket,
+                                       self._after_publish())
+                return
             self.hit = self.node.commit(self.key, self._tmp, record)
         except BaseException as exc:
             self._failed(exc)
             raise
         self.ticket.finish()
-        self._after_publish(self.hit)
+        self._after_publish()(self.hit)
 
     def publish(self) -> Future[NodeHit | None]:
         """The published blob: queue the write-behind of a finished fill (once).
@@ -168,16 +182,38 @@ class Fill:
         if self._job is not None:
             job, self._job = self._job, None
             self._published = submit(job)
+        if self._seal is not None:
+            placed, self._seal = self._seal, None
+            self._published = seal(placed)
         if self._published is None:
             self._published = done(self.hit)
         return self._published
 
-    def _after_publish(self, hit: NodeHit) -> None:
+    def _after_publish(self) -> _AfterPublish:
+        return _AfterPublish(self.node, self.key, self.source, self.regional,
+                             self._from_regional)
+
+
+@dataclass(frozen=True)
+class _AfterPublish:
+    """What follows a blob's publication: the branch's ref, the regional copy.
+
+    Kept apart from :class:`Fill` so that a queued seal does not keep the fill's read
+    buffer (the whole file, in anonymous memory) alive.
+    """
+
+    node: NodeTier
+    key: BlobKey
+    source: WeightSource
+    regional: RegionalTier | None
+    from_regional: bool
+
+    def __call__(self, hit: NodeHit) -> None:
         commit = getattr(self.source, "commit", None)
         revision = getattr(self.source, "revision", None)
         if isinstance(commit, str) and isinstance(revision, str):
             self.node.write_ref(self.key.namespace, revision, commit)
-        if self.regional is not None and not self._from_regional:
+        if self.regional is not None and not self.from_regional:
             try:
                 self.regional.publish_file(self.key, hit.path, hit.record)
             except OSError as exc:  # the node copy is good; the region fills next time
@@ -191,6 +227,7 @@ def obtain(
     progress: Progress | None = None,
     *,
     behind: bool = False,
+    seal_behind: bool = False,
 ) -> tuple[BlobKey, NodeHit | Fill]:
     """The key for ``name`` and either its node hit or a :class:`Fill` the caller must run.
 
@@ -204,4 +241,5 @@ def obtain(
         if progress is not None:
             progress(info.size, info.size)
         return key, outcome
-    return key, Fill(node, source, info, key, outcome, progress, behind=behind)
+    return key, Fill(node, source, info, key, outcome, progress, behind=behind,
+                     seal_behind=seal_behind)

@@ -125,6 +125,8 @@ class SnapshotLoad:
         phases: seconds per phase: ``resolve``, ``verify``, ``map``; ``restore`` (a failed
             restore attempt) and ``record`` (writing a fresh record) on the fallback path.
         fallback_reason: why an existing snapshot was not restored, else ``None``.
+        blobs: the node-cache files the tensors map, in load order (empty when a
+            write-behind load holds them in memory).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -132,6 +134,10 @@ class SnapshotLoad:
     key: str
     phases: dict[str, float] = field(default_factory=dict)
     fallback_reason: str | None = None
+    blobs: tuple[Path, ...] = ()
+
+
+_Mapped = tuple[dict[str, "torch.Tensor"], tuple[Path, ...]]  # tensors, the files they map
 
 
 @dataclass(frozen=True)
@@ -218,19 +224,19 @@ def snapshot_load(
     if job.record_path.exists():
         start = time.perf_counter()
         try:
-            tensors = _restore(job, verify == "full" or cfg.verify_hits, phases)
-            return SnapshotLoad(tensors, True, job.key, phases)
+            tensors, blobs = _restore(job, verify == "full" or cfg.verify_hits, phases)
+            return SnapshotLoad(tensors, True, job.key, phases, blobs=blobs)
         except (OSError, ValueError, WeightsError, UnsafePath) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("snapshot %s of %s not restored: %s", job.key[:12], url, reason)
             unlink_quiet(job.record_path)
             phases = {"restore": time.perf_counter() - start}
     cap = max_snapshot_bytes if max_snapshot_bytes is not None else max_snapshot_bytes_from_env()
-    tensors = _fresh(job, cap, phases)
-    return SnapshotLoad(tensors, False, job.key, phases, reason)
+    tensors, blobs = _fresh(job, cap, phases)
+    return SnapshotLoad(tensors, False, job.key, phases, reason, blobs)
 
 
-def _restore(job: _Job, full: bool, phases: dict[str, float]) -> dict[str, torch.Tensor]:
+def _restore(job: _Job, full: bool, phases: dict[str, float]) -> _Mapped:
     """Check the record and its blobs, then map them; touches nothing outside the node."""
     start = time.perf_counter()
     record = read_record(job.record_path)
@@ -244,7 +250,7 @@ def _restore(job: _Job, full: bool, phases: dict[str, float]) -> dict[str, torch
     phases["map"] = time.perf_counter() - mid2
     markers = (_marker_path(job.root, f) for f in record.files)
     _touch(job.record_path, *markers)  # markers too: a snapshot's blobs stay young in the LRU
-    return tensors
+    return tensors, tuple(blobs)
 
 
 def _marker_path(root: Path, file: SnapshotFile) -> Path:
@@ -305,30 +311,44 @@ def _map_files(
     return out
 
 
-def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, torch.Tensor]:
+def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:
     """Load through the caches (the origin included), then record what was mapped.
 
     With write-behind (:meth:`LoaderConfig.writes_behind`) the tensors are built on the
     bytes as they arrive, and the record is written once every file is published in the
-    node cache, after the return.
+    node cache, after the return. Otherwise a filled file is written through and mapped
+    where it is placed; its seal and the record also come after the return.
     """
     if job.cfg.writes_behind(job.url):
         return _fresh_behind(job, cap, phases)
+    from ember.loaders import _writebehind
     from ember.loaders._api import resolve
 
     start = time.perf_counter()
-    weights = resolve(job.url, config=job.cfg)
+    # A fill's fsync waits for the disk's durable writes (0.5 GB/s on some disks, slower
+    # than the read): the tensors map the placed blob now, the record follows its seal.
+    weights = resolve(job.url, config=job.cfg, seal_behind=job.cfg.seals_behind(job.url))
     phases["resolve"] = (mid := time.perf_counter()) - start
-    described = [_describe(job.root, link) for link in weights.paths]
-    named = [(f.name, blob) for f, blob in described]
+    named = [(name, within(job.root, path)) for name, path in zip(weights.files, weights.paths,
+                                                                   strict=True)]
     tensors = _map_files(named, weights.weight_map, job)
     phases["map"] = (mid2 := time.perf_counter()) - mid
-    _record_fresh(job, cap, weights.paths, weights.weight_map)
-    phases["record"] = time.perf_counter() - mid2
-    return tensors
+
+    def record(hits: list[NodeHit]) -> None:
+        _record_fresh(job, cap, [hit.link for hit in hits], weights.weight_map)
+
+    if all(future.done() for future in weights.published):  # nothing left to seal
+        hits = [future.result() for future in weights.published]
+        published = [hit for hit in hits if hit is not None]
+        if len(published) == len(hits):  # a failed seal: the next load fills and records
+            record(published)
+        phases["record"] = time.perf_counter() - mid2
+    else:
+        _writebehind.then(weights.published, record)
+    return tensors, tuple(path for _, path in named)
 
 
-def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[str, torch.Tensor]:
+def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:
     from ember.loaders import _writebehind
     from ember.loaders._api import stream_target
     from ember.loaders._resolve import resolve_target
@@ -346,7 +366,7 @@ def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> dict[
         _record_fresh(job, cap, [h.link for h in hits], target.weight_map)
 
     _writebehind.then(published, record)
-    return tensors
+    return tensors, ()
 
 
 def _record_fresh(

@@ -190,6 +190,42 @@ class NodeTier(CacheTier):
             raise
         return self._finish(key, blob, record)
 
+    def place(self, key: BlobKey, tmp: TempBlob, record: BlobRecord) -> Path:
+        """Give a filled temp file its blob name before it is durable; :meth:`seal` it later.
+
+        A placed blob has no marker, so no lookup trusts it: a crash before the seal leaves
+        an unmarked blob that the next fill of the same bytes replaces and
+        :meth:`sweep_temps` removes once stale. The caller may map it at once: its pages
+        are the ones every later replica will map. A blob of the same bytes that is
+        already published is kept (it is durable) and the temp file dropped.
+
+        Raises:
+            IntegrityError: the file's size is not the expected size.
+        """
+        blob = tmp.path.parent / record.sha256
+        try:
+            size = os.fstat(tmp.fd).st_size
+            if size != record.size:
+                raise IntegrityError(what="size", name=key.name, expected=record.size, actual=size)
+            if self._check(blob) is not None:
+                tmp.discard()
+                return blob
+            tmp.close()
+            os.replace(tmp.path, blob)
+        except BaseException:
+            tmp.discard()
+            raise
+        return blob
+
+    def seal(self, key: BlobKey, blob: Path, record: BlobRecord) -> NodeHit:
+        """Make a placed blob durable (fsync), then publish its marker and link."""
+        fd = os.open(blob, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)  # the inode's dirty pages, whichever descriptor wrote them
+        finally:
+            os.close(fd)
+        return self._finish(key, blob, record)
+
     def _finish(self, key: BlobKey, blob: Path, record: BlobRecord) -> NodeHit:
         _fsync_dir(blob.parent)
         marker = self._marker(blob.parent.parent, record.sha256)
@@ -245,7 +281,15 @@ class NodeTier(CacheTier):
             raise CacheFull(size=size, root=self.root, reason=reason)
 
     def sweep_temps(self) -> None:
-        """Remove temp files of fills whose process died (a kill -9 leaves a miss)."""
+        """Remove temp files of fills whose process died (a kill -9 leaves a miss), and
+        stale placed blobs that were never sealed (no marker)."""
+        stale_s = max(10 * self.config.lease_timeout_s, 600.0)
+        for blob in self.root.glob("*/blobs/*"):
+            unmarked = not self._marker(blob.parent.parent, blob.name).exists()
+            if SHA256_HEX.match(blob.name) and unmarked:
+                with contextlib.suppress(OSError):
+                    if time.time() - blob.stat().st_mtime > stale_s:
+                        blob.unlink()
         for tmp in self.root.glob("*/blobs/.tmp-*"):
             parts = tmp.name.split("-")
             try:
@@ -254,7 +298,7 @@ class NodeTier(CacheTier):
             except (ValueError, OSError):
                 continue
             dead = host == _HOST and not psutil.pid_exists(pid)
-            if dead or age_s > max(10 * self.config.lease_timeout_s, 600.0):
+            if dead or age_s > stale_s:
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
 

@@ -8,6 +8,11 @@ when there is one), fsyncs once and publishes by rename, then the marker and the
 link (``NodeTier.commit``). A process killed midway leaves only its temp file, which the
 next fill on the node sweeps; a reader never sees a half-written entry.
 
+A file read from a local origin is written through to its temp file and placed under its
+blob name before the load maps it (``CacheSeal``): only the fsync, the marker and the
+link wait here, so the load shares the pages later replicas map, without waiting on the
+disk's durable write.
+
 The fill's single-flight ticket travels with the job: other processes on the node wait
 for the published blob rather than fetching the same bytes again, and a failed write lets
 them fetch it themselves (the loading replica already has its tensors). The worker is not
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ember.errors import IntegrityError
@@ -125,12 +131,60 @@ def _write(job: CacheWrite) -> NodeHit | None:
         job.ticket.finish(published=False)
         raise
     job.ticket.finish()
-    if job.after is not None:
-        try:
-            job.after(hit)
-        except Exception as exc:  # the node copy is published; the rest is best effort
-            log.warning("after publishing %s: %s", job.key.name, exc)
+    _after(job.after, hit)
     return hit
+
+
+@dataclass
+class CacheSeal:
+    """A placed blob (:meth:`NodeTier.place`) to make durable and publish.
+
+    Attributes:
+        node: the node tier.
+        key: the blob key.
+        blob: the placed blob's path.
+        record: its checksum and size.
+        ticket: the fill's single-flight ticket, finished once the blob is published.
+        after: called with the published blob (refs, the regional tier).
+    """
+
+    node: NodeTier
+    key: BlobKey
+    blob: Path
+    record: BlobRecord
+    ticket: FillTicket
+    after: Callable[[NodeHit], None] | None = None
+
+
+def _seal(job: CacheSeal) -> NodeHit | None:
+    try:
+        hit = job.node.seal(job.key, job.blob, job.record)
+    except Exception as exc:
+        # The blob stays unmarked: no lookup trusts it, the next fill replaces it and the
+        # sweep removes it once stale. Unlinking it here could race the load's own open.
+        log.warning("node cache seal of %s failed: %s", job.key.name, exc)
+        job.ticket.finish(published=False)
+        return None
+    except BaseException:
+        job.ticket.finish(published=False)
+        raise
+    job.ticket.finish()
+    _after(job.after, hit)
+    return hit
+
+
+def _after(after: Callable[[NodeHit], None] | None, hit: NodeHit) -> None:
+    if after is None:
+        return
+    try:
+        after(hit)
+    except Exception as exc:  # the node copy is published; the rest is best effort
+        log.warning("after publishing %s: %s", hit.link.name, exc)
+
+
+def seal(job: CacheSeal) -> Future[NodeHit | None]:
+    """Queue ``job``; its future gives the published blob, or ``None`` if the seal failed."""
+    return _submit(_seal, job)
 
 
 def submit(job: CacheWrite) -> Future[NodeHit | None]:
