@@ -7,7 +7,9 @@ the page cache first. Both ways read the origin, write the node cache's temp fil
 every byte before the load returns; ``through`` also waits for the fsync, the marker and
 the snapshot link, which ``auto`` leaves to a background thread. ``load_s`` is the load's
 wall time, ``sealed_s`` the time until every file is published (``auto``: the load plus
-``wait_for_cache_writes``).
+``wait_for_cache_writes``). Each round also reads the same files cold with plain readers
+(``_sizes_limits.disk_bandwidth``): ``disk_read_s`` is the bytes at that speed, the floor
+for any load of them from this disk.
 
 Trials alternate the two ways, ``--rounds`` times; the medians and their ratio go to
 ``bench/results/first_fill[.short].json``.
@@ -34,6 +36,7 @@ import _sizes_limits as lim
 import model_ladder
 
 WAYS = ("auto", "through")
+KEYS = ("load_s", "sealed_s")
 CHILD = """
 import json, sys, time
 from ember.deployments.causal_lm import load_causal_lm
@@ -71,20 +74,26 @@ def main() -> int:
     args = h.pick(parser.parse_args(), size=("2gb", "0.5gb"), rounds=(3, 2))
     deadline = h.install_deadline(args.deadline_s)
     folder = model_ladder.ensure(args.size)
+    files = sorted(folder.glob("*.safetensors"))
+    nbytes = sum(p.stat().st_size for p in files)
     trials: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
+    disk_s: list[float] = []
     for i in range(args.rounds):
         for way in WAYS:
             trials[way].append(one(way, folder, deadline))
+        disk_s.append(round(nbytes / lim.disk_bandwidth(files)["gbps"] / 1e9, 3))
         print(f"round {i}: " + ", ".join(
             f"{w} load {trials[w][-1]['load_s']:.2f} s, sealed {trials[w][-1]['sealed_s']:.2f} s"
-            for w in WAYS), flush=True)
+            for w in WAYS) + f", disk read {disk_s[-1]:.2f} s", flush=True)
     h.clear_deadline()
-    medians = {way: {k: round(statistics.median(t[k] for t in trials[way]), 3)
-                     for k in ("load_s", "sealed_s")} for way in WAYS}
+    medians = {way: {k: round(statistics.median(t[k] for t in trials[way]), 3) for k in KEYS}
+               for way in WAYS}
+    disk_read_s = statistics.median(disk_s)
     out: dict[str, Any] = {
-        "size": args.size, "bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
-        "trials": trials, "median_s": medians,
+        "size": args.size, "bytes": nbytes, "trials": trials, "median_s": medians,
+        "disk_read_s": disk_s, "median_disk_read_s": disk_read_s,
         "ratios": {
+            "load_auto_over_disk_read": h.ratio(medians["auto"]["load_s"], disk_read_s),
             "load_through_over_auto": h.ratio(medians["through"]["load_s"],
                                               medians["auto"]["load_s"]),
             "sealed_auto_over_through": h.ratio(medians["auto"]["sealed_s"],

@@ -25,6 +25,7 @@ A replica loads in this order:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -128,7 +129,12 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
 
 
 def _missing_bytes(paths: list[Path]) -> int:
-    return sum(p.stat().st_size - resident_bytes(p) for p in paths)
+    missing = 0
+    for path in paths:
+        # A fresh fill's temp file may be renamed by its seal: its pages were just written.
+        with contextlib.suppress(FileNotFoundError):
+            missing += path.stat().st_size - resident_bytes(path)
+    return missing
 
 
 def _bring_in(tensors: dict[str, torch.Tensor], paths: list[Path]) -> float:
@@ -137,7 +143,8 @@ def _bring_in(tensors: dict[str, torch.Tensor], paths: list[Path]) -> float:
     spans = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for t in tensors.values() if t.device.type == "cpu"}  # file order: first use
     if not populate(list(spans.items())):
-        prefetch(paths)  # a kernel before 5.14: read the pages, the mapping faults them in
+        # A kernel before 5.14: read the pages, the mapping faults them in.
+        prefetch([path for path in paths if path.exists()])
     return time.perf_counter() - start
 
 

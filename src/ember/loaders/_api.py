@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ember.errors import HeaderInvalid, IntegrityError, SourceError
 from ember.loaders._config import LoaderConfig, as_config
 from ember.loaders._fetch import Fill, obtain, regional_tier
-from ember.loaders._reader import Progress
+from ember.loaders._reader import Progress, StreamingReader
 from ember.loaders._resolve import Target, resolve_target
 from ember.loaders._tier_node import NodeHit, NodeTier
 from ember.loaders._writebehind import done
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ember.loaders._tensors import MappedFile
 
 ConfigLike = LoaderConfig | Mapping[str, Any] | None
+T = TypeVar("T")
 _HIT_ATTEMPTS = 3
 
 
@@ -37,9 +38,9 @@ class LocalWeights:
         sources: where each file's bytes came from, in order: ``"node"`` (already in the
             node cache), ``"regional"`` or ``"origin"``.
         files: each file's name relative to the URL's root, in the order of ``paths``.
-        published: one future per path, giving its published blob. With ``seal_behind``
-            a filled file's future is done only once it is sealed; until then its path is
-            the placed blob itself (complete, named by its checksum, not yet durable).
+        published: one future per path, giving its published blob (from
+            :func:`resolve_and_use` with ``seal_behind``, done once the file is sealed;
+            until then its path is the fill's temp file).
     """
 
     url: str
@@ -124,7 +125,7 @@ def _file_tensors(begun: Fill | _Mapped) -> Iterator[tuple[str, torch.Tensor]]:
         return
     flat = None
     for spec in begun.run():
-        if flat is None and begun.reader is not None:
+        if flat is None and isinstance(begun.reader, StreamingReader):
             flat = flat_view(begun.reader.buffer)
         if flat is not None:
             yield spec.name, tensor_view(flat, spec)
@@ -237,8 +238,7 @@ def load(
 
 
 def resolve(
-    url: str, *, config: ConfigLike = None, progress: Progress | None = None,
-    seal_behind: bool = False,
+    url: str, *, config: ConfigLike = None, progress: Progress | None = None
 ) -> LocalWeights:
     """Fill the node (and regional) cache for ``url`` and return the local paths.
 
@@ -246,10 +246,6 @@ def resolve(
         url: the weights URL (as for :func:`stream`).
         config: a :class:`LoaderConfig` or a mapping of its fields.
         progress: optional ``(bytes_done, bytes_total)`` callback, per file.
-        seal_behind: return once every filled file is written and placed under its blob
-            name, before the disk has it durably: the fsync, the marker, the snapshot link
-            and the regional copy follow on a background thread (``published``). A crash
-            before then leaves no entry any lookup trusts.
 
     Returns:
         :class:`LocalWeights` with one node-cache path per safetensors file.
@@ -257,20 +253,44 @@ def resolve(
     Raises:
         WeightsError: as for :func:`stream`.
     """
-    cfg = as_config(config)
+    weights, _ = resolve_and_use(url, as_config(config), None, progress=progress)
+    return weights
+
+
+def resolve_and_use(
+    url: str,
+    cfg: LoaderConfig,
+    use: Callable[[LocalWeights], T] | None,
+    *,
+    progress: Progress | None = None,
+    seal_behind: bool = False,
+) -> tuple[LocalWeights, T | None]:
+    """Fill the node cache for ``url`` and call ``use`` with the paths before returning.
+
+    With ``seal_behind``, a file filled from the origin is handed to ``use`` as its
+    complete temp file; once ``use`` returns (having opened or mapped it), a background
+    thread hashes it, renames it to its blob name, fsyncs it and publishes its marker and
+    snapshot link (``published``). Until then no lookup trusts it, and a crash leaves only
+    files the next fill sweeps.
+
+    Raises:
+        WeightsError: as for :func:`stream`; or what ``use`` raises.
+    """
     target = resolve_target(url, cfg)
     node = NodeTier(cfg)
     regional = regional_tier(cfg)
     paths: list[Path] = []
     sources: list[str] = []
-    published: list[Fill | NodeHit] = []
+    outcomes: list[Fill | NodeHit] = []
+    futures: tuple[Future[NodeHit | None], ...] = ()
     try:
         for name in target.files:
             key, outcome = obtain(node, target.source, name, progress, seal_behind=seal_behind)
+            outcomes.append(outcome)
             if isinstance(outcome, Fill):
                 for _ in outcome.run():
                     pass
-                path = outcome.placed or (outcome.hit.link if outcome.hit else None)
+                path = outcome.filled or (outcome.hit.link if outcome.hit else None)
                 if path is None:
                     raise SourceError("fill finished without publishing", url=url)
                 sources.append(outcome.tier)
@@ -280,13 +300,14 @@ def resolve(
                 path = outcome.link
                 sources.append("node")
             paths.append(path)
-            published.append(outcome)
+        weights = LocalWeights(url, tuple(paths), target.weight_map, tuple(sources), target.files)
+        used = use(weights) if use is not None else None
     finally:
         target.source.close()
-        # Every placed file is sealed, even when a later one failed: it holds the ticket.
-        futures = tuple(o.publish() if isinstance(o, Fill) else _done(o) for o in published)
-    return LocalWeights(url, tuple(paths), target.weight_map, tuple(sources), target.files,
-                        futures)
+        # Every filled file is sealed, even when a later one failed: it holds the ticket.
+        futures = tuple(o.publish() if isinstance(o, Fill) else _done(o) for o in outcomes
+                        if not isinstance(o, Fill) or o.read)
+    return replace(weights, published=futures), used
 
 
 def _done(hit: NodeHit) -> Future[NodeHit | None]:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 from ember.errors import IntegrityError
 from ember.loaders._config import LoaderConfig
+from ember.loaders._copy import FileCopy
 from ember.loaders._flight import FillTicket, claim
 from ember.loaders._header import Header, TensorSpec
 from ember.loaders._reader import Progress, StreamingReader
 from ember.loaders._source import ObjectInfo, WeightSource
+from ember.loaders._source_file import FileSource
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
 from ember.loaders._tier_regional import RegionalTier
@@ -39,8 +41,10 @@ class Fill:
         ticket: the single-flight ticket for ``key``.
         progress: optional ``(bytes_done, bytes_total)`` callback.
         behind: publish after the load (``_writebehind``) instead of writing through.
-        seal_behind: write through, but leave the fsync and the publication to
-            :meth:`publish` (:attr:`placed` is the blob's path once :meth:`run` is done).
+        seal_behind: write through, but leave the checksum (unless the origin publishes
+            one, which is verified in the read), the fsync and the publication to
+            :meth:`publish`; :attr:`filled` is the complete temp file once :meth:`run` is
+            done, a path that stays valid only until :meth:`publish` is called.
 
     After :meth:`run` is exhausted, :attr:`hit` is the published blob (write-through), or
     :meth:`publish` queues the write (or the seal) and returns the future of the blob.
@@ -65,15 +69,15 @@ class Fill:
         self.seal_behind = seal_behind and not behind
         self._job: CacheWrite | None = None
         self._seal: CacheSeal | None = None
-        self.placed: Path | None = None
+        self.filled: Path | None = None
         self._published: Future[NodeHit | None] | None = None
         self._tmp: TempBlob | None = None
         self.regional = regional_tier(node.config)
         self.hit: NodeHit | None = None
-        self.reader: StreamingReader | None = None
+        self.reader: StreamingReader | FileCopy | None = None
         self._from_regional = False
 
-    def _open_reader(self) -> StreamingReader:
+    def _open_reader(self) -> StreamingReader | FileCopy:
         source, info = self.source, self.info
         if self.regional is not None:
             record = self._regional_record(self.regional)
@@ -82,7 +86,10 @@ class Fill:
                 self._from_regional = True
         # Write-behind hashes in the cache write, unless there is a checksum to verify
         # before anyone uses the tensors.
-        hash_now = not self.behind or bool(info.sha256)
+        hash_now = not (self.behind or self.seal_behind) or bool(info.sha256)
+        if self.seal_behind and not hash_now and isinstance(source, FileSource):
+            # The load maps the temp file: the kernel copies into it, no buffer here.
+            return FileCopy(source, info, self.node.config, self.progress)
         return StreamingReader(source, info, self.node.config, progress=self.progress,
                                hash_bytes=hash_now)
 
@@ -118,7 +125,10 @@ class Fill:
             self.reader = reader = self._open_reader()
             if not self.behind:
                 self._tmp = self.node.begin_fill(self.key, self.info.size)
-                reader.attach_sink(self._tmp.write_at)
+                if isinstance(reader, FileCopy):
+                    reader.attach_file(self._tmp)
+                else:
+                    reader.attach_sink(self._tmp.write_at)
             reader.start(pool)
         except BaseException as exc:
             self._failed(exc)
@@ -127,7 +137,7 @@ class Fill:
     @property
     def read(self) -> bool:
         """Whether :meth:`run` read and checked every byte."""
-        return self.hit is not None or self.placed is not None or self._published is not None \
+        return self.hit is not None or self.filled is not None or self._published is not None \
             or self._job is not None
 
     def abandon(self) -> None:
@@ -156,14 +166,16 @@ class Fill:
         try:
             yield from reader.run()
             if self.behind:  # the job owns the ticket from here
+                assert isinstance(reader, StreamingReader)  # only a seal-behind fill copies
                 self._job = CacheWrite(self.node, self.key, reader.info, reader.buffer,
                                        reader.sha256, self.ticket, self._after_publish())
                 return
             assert self._tmp is not None
             record = BlobRecord(reader.sha256, self.info.size)
-            if self.seal_behind:  # the seal owns the ticket from here
-                self.placed = self.node.place(self.key, self._tmp, record)
-                self._seal = CacheSeal(self.node, self.key, self.placed, record, self.ticket,
+            if self.seal_behind:  # the seal owns the ticket and the temp file from here
+                tmp, self._tmp = self._tmp, None
+                self.filled = tmp.path
+                self._seal = CacheSeal(self.node, self.key, tmp, record, self.ticket,
                                        self._after_publish())
                 return
             self.hit = self.node.commit(self.key, self._tmp, record)
@@ -183,8 +195,8 @@ class Fill:
             job, self._job = self._job, None
             self._published = submit(job)
         if self._seal is not None:
-            placed, self._seal = self._seal, None
-            self._published = seal(placed)
+            sealing, self._seal = self._seal, None
+            self._published = seal(sealing)
         if self._published is None:
             self._published = done(self.hit)
         return self._published

@@ -126,7 +126,8 @@ class SnapshotLoad:
             restore attempt) and ``record`` (writing a fresh record) on the fallback path.
         fallback_reason: why an existing snapshot was not restored, else ``None``.
         blobs: the node-cache files the tensors map, in load order (empty when a
-            write-behind load holds them in memory).
+            write-behind load holds them in memory). A file a fresh load filled and left
+            to seal behind it is named by its temp path, which the seal renames.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -317,22 +318,28 @@ def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:
     With write-behind (:meth:`LoaderConfig.writes_behind`) the tensors are built on the
     bytes as they arrive, and the record is written once every file is published in the
     node cache, after the return. Otherwise a filled file is written through and mapped
-    where it is placed; its seal and the record also come after the return.
+    as its temp file; with :meth:`LoaderConfig.seals_behind` its hash, its publication
+    and the record come after the return.
     """
     if job.cfg.writes_behind(job.url):
         return _fresh_behind(job, cap, phases)
     from ember.loaders import _writebehind
-    from ember.loaders._api import resolve
+    from ember.loaders._api import LocalWeights, resolve_and_use
 
     start = time.perf_counter()
-    # A fill's fsync waits for the disk's durable writes (0.5 GB/s on some disks, slower
-    # than the read): the tensors map the placed blob now, the record follows its seal.
-    weights = resolve(job.url, config=job.cfg, seal_behind=job.cfg.seals_behind(job.url))
-    phases["resolve"] = (mid := time.perf_counter()) - start
-    named = [(name, within(job.root, path)) for name, path in zip(weights.files, weights.paths,
-                                                                   strict=True)]
-    tensors = _map_files(named, weights.weight_map, job)
-    phases["map"] = (mid2 := time.perf_counter()) - mid
+
+    def use(weights: LocalWeights) -> _Mapped:
+        phases["resolve"] = time.perf_counter() - start
+        named = [(name, within(job.root, path))
+                 for name, path in zip(weights.files, weights.paths, strict=True)]
+        return _map_files(named, weights.weight_map, job), tuple(p for _, p in named)
+
+    # A fill's hash and fsync (the disk's durable writes can be slower than its reads) come
+    # after the tensors map the fill's file; the record after every file is published.
+    weights, used = resolve_and_use(job.url, job.cfg, use,
+                                    seal_behind=job.cfg.seals_behind(job.url))
+    assert used is not None  # use ran, or resolve_and_use raised
+    phases["map"] = (mid := time.perf_counter()) - start - phases["resolve"]
 
     def record(hits: list[NodeHit]) -> None:
         _record_fresh(job, cap, [hit.link for hit in hits], weights.weight_map)
@@ -342,10 +349,10 @@ def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:
         published = [hit for hit in hits if hit is not None]
         if len(published) == len(hits):  # a failed seal: the next load fills and records
             record(published)
-        phases["record"] = time.perf_counter() - mid2
+        phases["record"] = time.perf_counter() - mid
     else:
         _writebehind.then(weights.published, record)
-    return tensors, tuple(path for _, path in named)
+    return used
 
 
 def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:

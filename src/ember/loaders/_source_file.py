@@ -47,10 +47,23 @@ class FileSource(WeightSource):
         self.read_into(info, start, memoryview(out))
         return bytes(out)
 
-    def read_into(self, info: ObjectInfo, start: int, out: memoryview) -> None:
+    def open_checked(self, info: ObjectInfo) -> int:
+        """An open descriptor of ``info``'s file, checked to be the version captured.
+
+        Raises:
+            ObjectChanged: the file was rewritten or replaced since ``info`` was captured.
+        """
         fd = os.open(self._path(info.name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self._check(fd, info)
+            self.check(fd, info)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read_into(self, info: ObjectInfo, start: int, out: memoryview) -> None:
+        fd = self.open_checked(info)
+        try:
             done = 0
             while done < len(out):
                 got = os.preadv(fd, [out[done:]], start + done)
@@ -60,11 +73,12 @@ class FileSource(WeightSource):
                     )
                 done += got
             # Checked after the read as well: a rewrite during the read would mix versions.
-            self._check(fd, info)
+            self.check(fd, info)
         finally:
             os.close(fd)
 
-    def _check(self, fd: int, info: ObjectInfo) -> None:
+    def check(self, fd: int, info: ObjectInfo) -> None:
+        """Raise :class:`ObjectChanged` unless ``fd`` is still the version of ``info``."""
         now = file_version(os.fstat(fd))
         expected = info.check or info.version
         if now != expected:

@@ -8,10 +8,10 @@ when there is one), fsyncs once and publishes by rename, then the marker and the
 link (``NodeTier.commit``). A process killed midway leaves only its temp file, which the
 next fill on the node sweeps; a reader never sees a half-written entry.
 
-A file read from a local origin is written through to its temp file and placed under its
-blob name before the load maps it (``CacheSeal``): only the fsync, the marker and the
-link wait here, so the load shares the pages later replicas map, without waiting on the
-disk's durable write.
+A file from a local origin is copied by the kernel into its temp file (``_copy``), which
+the load maps (``CacheSeal``); once the load has mapped it, this thread hashes it, renames
+it to its blob name, fsyncs it and publishes it. The load shares the pages later replicas
+map without waiting for the hash or the disk's durable write.
 
 The fill's single-flight ticket travels with the job: other processes on the node wait
 for the published blob rather than fetching the same bytes again, and a failed write lets
@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ember.errors import IntegrityError
@@ -137,35 +136,58 @@ def _write(job: CacheWrite) -> NodeHit | None:
 
 @dataclass
 class CacheSeal:
-    """A placed blob (:meth:`NodeTier.place`) to make durable and publish.
+    """A filled temp file to hash (unless the read did), place, make durable and publish.
 
     Attributes:
         node: the node tier.
         key: the blob key.
-        blob: the placed blob's path.
-        record: its checksum and size.
+        tmp: the complete temp file (the load may map it: renaming keeps its pages).
+        record: its size, and its checksum when the read computed it (else ``""``).
         ticket: the fill's single-flight ticket, finished once the blob is published.
         after: called with the published blob (refs, the regional tier).
     """
 
     node: NodeTier
     key: BlobKey
-    blob: Path
+    tmp: TempBlob
     record: BlobRecord
     ticket: FillTicket
     after: Callable[[NodeHit], None] | None = None
 
 
+def _digest(tmp: TempBlob, size: int) -> str:
+    """The sha256 of a temp file's bytes, read in chunks from the page cache.
+
+    Not through a mapping: its pages would count in the process's RSS while it hashes,
+    beside the load's own mapping of the same file.
+    """
+    hasher, buffer, offset = hashlib.sha256(), bytearray(_CHUNK_BYTES), 0
+    with memoryview(buffer) as view:
+        while offset < size:
+            got = os.preadv(tmp.fd, [view[: min(_CHUNK_BYTES, size - offset)]], offset)
+            if got == 0:
+                raise IntegrityError(what="size", name=str(tmp.path), expected=size, actual=offset)
+            hasher.update(view[:got])  # hashlib releases the GIL for large updates
+            offset += got
+    return hasher.hexdigest()
+
+
 def _seal(job: CacheSeal) -> NodeHit | None:
     try:
-        hit = job.node.seal(job.key, job.blob, job.record)
+        record = job.record
+        if not record.sha256:
+            record = BlobRecord(_digest(job.tmp, record.size), record.size)
+        blob = job.node.place(job.key, job.tmp, record)
+        hit = job.node.seal(job.key, blob, record)
     except Exception as exc:
-        # The blob stays unmarked: no lookup trusts it, the next fill replaces it and the
-        # sweep removes it once stale. Unlinking it here could race the load's own open.
+        # A placed blob stays unmarked: no lookup trusts it, the next fill replaces it and
+        # the sweep removes it once stale. The load's mapping keeps its own pages.
+        job.tmp.discard()
         log.warning("node cache seal of %s failed: %s", job.key.name, exc)
         job.ticket.finish(published=False)
         return None
     except BaseException:
+        job.tmp.discard()
         job.ticket.finish(published=False)
         raise
     job.ticket.finish()

@@ -1,13 +1,15 @@
-"""A fill from a local origin is mapped before its fsync; its seal publishes it afterwards.
+"""A fill from a local origin is mapped before its hash and fsync; its seal publishes it.
 
-The fsync of a fresh fill is bound by the disk's durable writes (slower than its reads on
-some disks), so ``cache_write="auto"`` leaves it, the marker and the snapshot link to a
-background thread. These tests hold that thread back to see the order, and check that a
-fill that dies or fails before its seal leaves no entry any lookup trusts.
+The hash of a fresh fill is sequential (about 1 GB/s) and its fsync bound by the disk's
+durable writes (slower than its reads on some disks), so ``cache_write="auto"`` leaves
+them, the rename, the marker and the snapshot link to a background thread. These tests
+hold that thread back to see the order, and check that a fill that dies or fails before
+its seal leaves no entry any lookup trusts.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -18,9 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.errors import ObjectChanged
 from ember.loaders import LoaderConfig, SnapshotLoad, snapshot_load, wait_for_cache_writes
+from ember.loaders import _reader as reader_module
+from ember.loaders import _writebehind as writebehind
+from ember.loaders._copy import FileCopy
 from ember.loaders._tier import BlobKey, BlobRecord
-from ember.loaders._tier_node import NodeTier
+from ember.loaders._tier_node import NodeTier, TempBlob
 
 Writer = Callable[[dict[str, torch.Tensor], str], Path]
 
@@ -48,20 +54,26 @@ def _load_in_thread(url: str, config: LoaderConfig) -> tuple[threading.Thread, l
     return thread, out
 
 
-def test_a_local_fill_is_mapped_before_its_seal_and_published_after(
+def test_a_local_fill_is_mapped_before_its_hash_and_seal_and_published_after(
     write_file: Writer,
     auto: LoaderConfig,
     sample_tensors: dict[str, torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = write_file(sample_tensors, "model.safetensors")
-    hold, real_seal = threading.Event(), NodeTier.seal
+    hold, real_place, real_digest = threading.Event(), NodeTier.place, writebehind._digest
+    hashed: list[int] = []
 
-    def held_seal(self: NodeTier, key: BlobKey, blob: Path, record: BlobRecord) -> object:
+    def held_place(self: NodeTier, key: BlobKey, tmp: TempBlob, record: BlobRecord) -> Path:
         hold.wait(60)
-        return real_seal(self, key, blob, record)
+        return real_place(self, key, tmp, record)
 
-    monkeypatch.setattr(NodeTier, "seal", held_seal)
+    def counted_digest(tmp: TempBlob, size: int) -> str:
+        hashed.append(size)
+        return real_digest(tmp, size)
+
+    monkeypatch.setattr(NodeTier, "place", held_place)
+    monkeypatch.setattr(writebehind, "_digest", counted_digest)
     try:
         thread, out = _load_in_thread(path.as_uri(), auto)
         thread.join(30)
@@ -70,15 +82,21 @@ def test_a_local_fill_is_mapped_before_its_seal_and_published_after(
         assert not got.restored
         for name, tensor in sample_tensors.items():
             assert torch.equal(got.tensors[name], tensor), name
-        (blob,) = got.blobs
-        # Placed under its checksum, but not trusted yet: no marker, link or record.
-        assert blob.name == hashlib.sha256(path.read_bytes()).hexdigest()
-        assert not _marker(blob).exists() and not _record(auto, got).exists()
+        (mapped,) = got.blobs
+        # The load mapped the fill's temp file; nothing is trusted yet: no blob, marker,
+        # link or record.
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        assert mapped.name.startswith(".tmp-") and not (mapped.parent / sha).exists()
+        assert not _marker(mapped.parent / sha).exists() and not _record(auto, got).exists()
         assert not list((auto.node_root()).glob("*/snapshots/*/model.safetensors"))
     finally:
         hold.set()
     assert wait_for_cache_writes(timeout_s=60)
-    assert _marker(blob).exists() and _record(auto, got).exists()
+    blob = mapped.parent / sha
+    assert hashed == [path.stat().st_size], "the file was hashed in the load, not its seal"
+    assert _marker(blob).exists() and _record(auto, got).exists() and not mapped.exists()
+    for name, tensor in sample_tensors.items():  # the rename kept the mapped pages
+        assert torch.equal(got.tensors[name], tensor), name
     again = snapshot_load(path.as_uri(), code_version="v1", config=auto)
     assert again.restored and again.blobs == (blob,)
 
@@ -108,12 +126,14 @@ def test_a_failed_seal_publishes_nothing_and_the_next_load_fills_again(
         got = snapshot_load(path.as_uri(), code_version="v1", config=auto)
         assert wait_for_cache_writes(timeout_s=60)
     assert torch.equal(got.tensors["embed.weight"], sample_tensors["embed.weight"])
-    (blob,) = got.blobs
+    (mapped,) = got.blobs
+    blob = mapped.parent / hashlib.sha256(path.read_bytes()).hexdigest()
     assert not _marker(blob).exists() and not _record(auto, got).exists()
     assert not list(auto.node_root().glob("*/snapshots/*/model.safetensors"))
     again = snapshot_load(path.as_uri(), code_version="v1", config=auto)
-    assert not again.restored and again.blobs == (blob,)
+    assert not again.restored
     assert wait_for_cache_writes(timeout_s=60) and _marker(blob).exists()
+    assert snapshot_load(path.as_uri(), code_version="v1", config=auto).blobs == (blob,)
 
 
 def _placed(node: NodeTier, data: bytes, name: str = "model.safetensors") -> Path:
@@ -161,3 +181,64 @@ def test_placing_bytes_already_published_keeps_the_durable_blob(auto: LoaderConf
     again = _placed(node, data, "copy.safetensors")
     assert again == first.path and again.stat().st_ino == inode
     assert not list(first.path.parent.glob(".tmp-*"))
+
+
+def test_a_sealed_behind_fill_is_copied_by_the_kernel_not_through_a_buffer(
+    write_file: Writer,
+    auto: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+
+    def no_buffer(size: int) -> object:
+        raise AssertionError("the fill allocated a buffer for bytes the load maps from disk")
+
+    monkeypatch.setattr(reader_module, "anonymous_buffer", no_buffer)
+    got = snapshot_load(path.as_uri(), code_version="v1", config=auto)
+    for name, tensor in sample_tensors.items():
+        assert torch.equal(got.tensors[name], tensor), name
+    assert wait_for_cache_writes(timeout_s=60)
+
+
+def test_without_an_in_kernel_copy_the_fill_copies_through_a_small_buffer(
+    write_file: Writer,
+    auto: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+
+    def unsupported(*args: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", unsupported)
+    got = snapshot_load(path.as_uri(), code_version="v1", config=auto)
+    for name, tensor in sample_tensors.items():
+        assert torch.equal(got.tensors[name], tensor), name
+    assert wait_for_cache_writes(timeout_s=60)
+    (mapped,) = got.blobs
+    blob = mapped.parent / hashlib.sha256(path.read_bytes()).hexdigest()
+    assert blob.read_bytes() == path.read_bytes()
+
+
+def test_an_origin_rewritten_during_the_copy_fails_the_load_and_leaves_nothing(
+    write_file: Writer,
+    auto: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = write_file(sample_tensors, "model.safetensors")
+    real_start = FileCopy.start
+
+    def rewrite_then_start(self: FileCopy, pool: object = None) -> None:
+        data = path.read_bytes()
+        path.unlink()  # a new inode: what a model upload that replaces the file does
+        path.write_bytes(data)
+        real_start(self, pool)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileCopy, "start", rewrite_then_start)
+    with pytest.raises(ObjectChanged):
+        snapshot_load(path.as_uri(), code_version="v1", config=auto)
+    assert wait_for_cache_writes(timeout_s=60)
+    assert not [p for p in auto.node_root().glob("*/blobs/*")], "a fill left a file behind"
