@@ -1,11 +1,12 @@
 """How fast a cold model's pages come in, by the way they are read: the causal-LM load's
-``populate`` (``MADV_POPULATE_READ`` on a mapping) at two call sizes, against plain ``pread``.
+``populate`` (``MADV_POPULATE_READ`` on a mapping) at two settings, against plain ``pread``.
 
 On one ladder rung's safetensors files (``bench/model_ladder.py``), every page dropped from
 the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
 
-* ``populate_16mib`` / ``populate_64mib``: the files mapped copy-on-write as a replica maps
-  them, then ``ember.loaders.pages.populate`` with four calls in flight, of 16 or 64 MiB;
+* ``populate_4x64mib`` / ``populate_8x32mib``: the files mapped copy-on-write as a replica
+  maps them, then ``ember.loaders.pages.populate`` with four calls of 64 MiB in flight (the
+  earlier setting) or eight of 32 MiB (the default now);
 * ``pread_4``: four plain readers of 16 MiB chunks into fresh buffers (the disk limit that
   ``bench/coldstart_sizes.py`` measures).
 
@@ -33,10 +34,11 @@ import torch
 
 from ember.loaders.pages import populate
 
-WAYS = ("populate_16mib", "populate_64mib", "pread_4")
+WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4")
+SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
-def populate_gbps(files: list[Path], chunk_bytes: int) -> float:
+def populate_gbps(files: list[Path], workers: int, chunk_bytes: int) -> float:
     """GB/s of mapping ``files`` and populating every page, from a cold page cache."""
     if lim.drop(files):
         raise RuntimeError("pages stayed resident after the drop")
@@ -46,7 +48,8 @@ def populate_gbps(files: list[Path], chunk_bytes: int) -> float:
         with path.open("rb") as f:
             flats.append(torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
                                           dtype=torch.uint8))
-    if not populate([(t.data_ptr(), t.numel()) for t in flats], chunk_bytes=chunk_bytes):
+    spans = [(t.data_ptr(), t.numel()) for t in flats]
+    if not populate(spans, workers=workers, chunk_bytes=chunk_bytes):
         raise RuntimeError("this kernel has no MADV_POPULATE_READ")
     seconds = time.perf_counter() - start
     return sum(t.numel() for t in flats) / seconds / 1e9
@@ -55,7 +58,7 @@ def populate_gbps(files: list[Path], chunk_bytes: int) -> float:
 def one(way: str, files: list[Path]) -> float:
     if way == "pread_4":
         return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
-    return populate_gbps(files, (16 if way == "populate_16mib" else 64) << 20)
+    return populate_gbps(files, *SETTINGS[way])
 
 
 def main() -> int:
@@ -75,10 +78,10 @@ def main() -> int:
     out: dict[str, Any] = {
         "size": args.size, "bytes": sum(p.stat().st_size for p in files),
         "gbps": trials, "median_gbps": medians,
-        "ratios": {"populate_64mib_over_16mib": h.ratio(medians["populate_64mib"],
-                                                         medians["populate_16mib"]),
-                   "populate_64mib_over_pread_4": h.ratio(medians["populate_64mib"],
-                                                          medians["pread_4"])},
+        "ratios": {"populate_8x32mib_over_4x64mib": h.ratio(medians["populate_8x32mib"],
+                                                             medians["populate_4x64mib"]),
+                   "populate_8x32mib_over_pread_4": h.ratio(medians["populate_8x32mib"],
+                                                            medians["pread_4"])},
     }
     print(out["ratios"], flush=True)
     h.write_results("page_reads", out, short=args.short)
