@@ -205,6 +205,14 @@ def replica_class(spec: DeploymentSpec) -> type:
             if check is not None:
                 await call_user(check)
 
+        async def __del__(self) -> None:
+            """Serve's graceful shutdown: finish the node-cache writes and seals this
+            replica's loads left behind them (a fresh node's first fill), so the next
+            replica finds the blobs published; bounded by ``graceful_shutdown_s``."""
+            writes = sys.modules.get("ember.loaders._writebehind")  # none if no load ran
+            if writes is not None:
+                await asyncio.to_thread(writes.wait_all, spec.options.graceful_shutdown_s)
+
     if spec.options.router == "prefix":
         # Serve polls a replica's routing stats only when its class defines this method;
         # the other routers read none, so their replicas are not asked.
