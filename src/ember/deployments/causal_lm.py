@@ -143,8 +143,10 @@ def _bring_in(tensors: dict[str, torch.Tensor], paths: list[Path]) -> float:
     spans = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for t in tensors.values() if t.device.type == "cpu"}  # file order: first use
     if not populate(list(spans.items())):
-        # A kernel before 5.14: read the pages, the mapping faults them in.
-        prefetch([path for path in paths if path.exists()])
+        # A kernel before 5.14: read the pages, the mapping faults them in. A fresh fill's
+        # temp file may be renamed by its seal meanwhile; its pages were just written.
+        with contextlib.suppress(FileNotFoundError):
+            prefetch(paths)
     return time.perf_counter() - start
 
 

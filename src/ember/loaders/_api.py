@@ -290,6 +290,7 @@ def resolve_and_use(
             if isinstance(outcome, Fill):
                 for _ in outcome.run():
                     pass
+                outcome.release_buffer()  # the caller maps the file: one buffer at a time
                 path = outcome.filled or (outcome.hit.link if outcome.hit else None)
                 if path is None:
                     raise SourceError("fill finished without publishing", url=url)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from ember.errors import CacheFull, ShortRead
+from ember.errors import CacheFull, ShortRead, SourceError
 from ember.loaders._config import LoaderConfig
 from ember.loaders._header import Header, TensorSpec
 from ember.loaders._reader import Progress, plan_ranges, read_header
@@ -75,7 +75,7 @@ class FileCopy:
         assert self._tmp is not None  # start() needs it
         fd = self.source.open_checked(self.info)
         try:
-            done = _copy_range(fd, self._tmp, start, end)
+            done = _copy_range(fd, self._tmp, start, end, self.source.describe(self.info.name))
             if done < end - start:
                 raise ShortRead(url=self.source.describe(self.info.name), start=start, end=end,
                                 got=done)
@@ -113,25 +113,44 @@ class FileCopy:
         yield from self.header.tensors
 
 
-def _copy_range(src: int, tmp: TempBlob, start: int, end: int) -> int:
-    """Copy ``[start, end)`` of ``src`` to the same offsets of ``tmp``; the bytes copied."""
+def _copy_range(src: int, tmp: TempBlob, start: int, end: int, where: str) -> int:
+    """Copy ``[start, end)`` of ``src`` to the same offsets of ``tmp``; the bytes copied.
+
+    Falls back to ``pread``/``pwrite`` through a small buffer where the kernel cannot copy
+    between these files, or where ``copy_file_range`` stops short (some filesystems return
+    0 before the end): a real end of file then shows there.
+
+    Raises:
+        CacheFull: the node cache's disk is full.
+        SourceError: another read or write error.
+    """
     done = 0
     try:
         while done < end - start:
             got = os.copy_file_range(src, tmp.fd, end - start - done, start + done, start + done)
             if got == 0:
-                return done
+                break
             done += got
-        return done
+        else:
+            return done
     except OSError as exc:
         if exc.errno not in _NO_KERNEL_COPY:
-            raise CacheFull(size=tmp.size, root=tmp.path.parent, reason=str(exc)) from exc
+            raise _copy_error(exc, tmp, where) from exc
     buffer = bytearray(min(_COPY_BYTES, end - start - done))
-    while done < end - start:
-        view = memoryview(buffer)[: min(len(buffer), end - start - done)]
-        got = os.preadv(src, [view], start + done)
-        if got == 0:
-            return done
-        tmp.write_at(start + done, view[:got])
-        done += got
+    try:
+        while done < end - start:
+            view = memoryview(buffer)[: min(len(buffer), end - start - done)]
+            got = os.preadv(src, [view], start + done)
+            if got == 0:
+                return done
+            tmp.write_at(start + done, view[:got])
+            done += got
+    except OSError as exc:
+        raise _copy_error(exc, tmp, where) from exc
     return done
+
+
+def _copy_error(exc: OSError, tmp: TempBlob, where: str) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return CacheFull(size=tmp.size, root=tmp.path.parent, reason=str(exc))
+    return SourceError(f"copying into the node cache failed: {exc}", url=where)

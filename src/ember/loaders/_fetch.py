@@ -185,6 +185,12 @@ class Fill:
         self.ticket.finish()
         self._after_publish()(self.hit)
 
+    def release_buffer(self) -> None:
+        """Drop the reader (and its whole-file buffer) once :meth:`run` is done with it;
+        :meth:`publish` needs only what ``run`` kept (the blob, the write or the seal)."""
+        if self.read:
+            self.reader = None
+
     def publish(self) -> Future[NodeHit | None]:
         """The published blob: queue the write-behind of a finished fill (once).
 

@@ -191,13 +191,14 @@ class NodeTier(CacheTier):
         return self._finish(key, blob, record)
 
     def place(self, key: BlobKey, tmp: TempBlob, record: BlobRecord) -> Path:
-        """Give a filled temp file its blob name before it is durable; :meth:`seal` it later.
+        """Make a filled temp file durable and give it its blob name; :meth:`seal` it next.
 
-        A placed blob has no marker, so no lookup trusts it: a crash before the seal leaves
-        an unmarked blob that the next fill of the same bytes replaces and
-        :meth:`sweep_temps` removes once stale. The caller may map it at once: its pages
-        are the ones every later replica will map. A blob of the same bytes that is
-        already published is kept (it is durable) and the temp file dropped.
+        The fsync comes before the rename, so a blob name only ever holds durable bytes:
+        another fill's marker for the same checksum can never vouch for bytes still in
+        flight. A placed blob has no marker yet, so no lookup trusts it: a crash before the
+        seal leaves an unmarked blob that the next fill of the same bytes replaces and
+        :meth:`sweep_temps` removes once stale. A blob of the same bytes that is already
+        published is kept and the temp file dropped.
 
         Raises:
             IntegrityError: the file's size is not the expected size.
@@ -210,6 +211,7 @@ class NodeTier(CacheTier):
             if self._check(blob) is not None:
                 tmp.discard()
                 return blob
+            os.fsync(tmp.fd)
             tmp.close()
             os.replace(tmp.path, blob)
         except BaseException:
@@ -218,12 +220,7 @@ class NodeTier(CacheTier):
         return blob
 
     def seal(self, key: BlobKey, blob: Path, record: BlobRecord) -> NodeHit:
-        """Make a placed blob durable (fsync), then publish its marker and link."""
-        fd = os.open(blob, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)  # the inode's dirty pages, whichever descriptor wrote them
-        finally:
-            os.close(fd)
+        """Publish a placed blob: the directory entry made durable, then marker and link."""
         return self._finish(key, blob, record)
 
     def _finish(self, key: BlobKey, blob: Path, record: BlobRecord) -> NodeHit:
@@ -285,11 +282,14 @@ class NodeTier(CacheTier):
         stale placed blobs that were never sealed (no marker)."""
         stale_s = max(10 * self.config.lease_timeout_s, 600.0)
         for blob in self.root.glob("*/blobs/*"):
-            unmarked = not self._marker(blob.parent.parent, blob.name).exists()
-            if SHA256_HEX.match(blob.name) and unmarked:
-                with contextlib.suppress(OSError):
-                    if time.time() - blob.stat().st_mtime > stale_s:
-                        blob.unlink()
+            marker = self._marker(blob.parent.parent, blob.name)
+            if not SHA256_HEX.match(blob.name) or marker.exists():
+                continue
+            with contextlib.suppress(OSError):
+                # A seal touches its blob when it places it; the marker is checked again
+                # last, so a seal that just published is not undone.
+                if time.time() - blob.stat().st_mtime > stale_s and not marker.exists():
+                    blob.unlink()
         for tmp in self.root.glob("*/blobs/.tmp-*"):
             parts = tmp.name.split("-")
             try:

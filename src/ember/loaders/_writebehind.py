@@ -174,6 +174,9 @@ def _digest(tmp: TempBlob, size: int) -> str:
 
 def _seal(job: CacheSeal) -> NodeHit | None:
     try:
+        # The file may have waited in the queue: a fresh mtime keeps other fills' sweeps
+        # from taking it for a dead process's leftover while it is hashed and placed.
+        os.utime(job.tmp.fd)
         record = job.record
         if not record.sha256:
             record = BlobRecord(_digest(job.tmp, record.size), record.size)

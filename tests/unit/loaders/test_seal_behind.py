@@ -21,10 +21,16 @@ import pytest
 import torch
 
 from ember.errors import ObjectChanged
-from ember.loaders import LoaderConfig, SnapshotLoad, snapshot_load, wait_for_cache_writes
+from ember.loaders import (
+    LoaderConfig,
+    SnapshotLoad,
+    resolve,
+    snapshot_load,
+    wait_for_cache_writes,
+)
+from ember.loaders import _copy as copy_module
 from ember.loaders import _reader as reader_module
 from ember.loaders import _writebehind as writebehind
-from ember.loaders._copy import FileCopy
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeTier, TempBlob
 
@@ -61,19 +67,16 @@ def test_a_local_fill_is_mapped_before_its_hash_and_seal_and_published_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = write_file(sample_tensors, "model.safetensors")
-    hold, real_place, real_digest = threading.Event(), NodeTier.place, writebehind._digest
-    hashed: list[int] = []
+    hold, real_digest = threading.Event(), writebehind._digest
+    hashed: list[tuple[int, str]] = []
 
-    def held_place(self: NodeTier, key: BlobKey, tmp: TempBlob, record: BlobRecord) -> Path:
+    def held_digest(tmp: TempBlob, size: int) -> str:
+        # The seal's first step: holding it holds the hash, the rename and the fsync.
+        hashed.append((size, threading.current_thread().name))
         hold.wait(60)
-        return real_place(self, key, tmp, record)
-
-    def counted_digest(tmp: TempBlob, size: int) -> str:
-        hashed.append(size)
         return real_digest(tmp, size)
 
-    monkeypatch.setattr(NodeTier, "place", held_place)
-    monkeypatch.setattr(writebehind, "_digest", counted_digest)
+    monkeypatch.setattr(writebehind, "_digest", held_digest)
     try:
         thread, out = _load_in_thread(path.as_uri(), auto)
         thread.join(30)
@@ -93,7 +96,8 @@ def test_a_local_fill_is_mapped_before_its_hash_and_seal_and_published_after(
         hold.set()
     assert wait_for_cache_writes(timeout_s=60)
     blob = mapped.parent / sha
-    assert hashed == [path.stat().st_size], "the file was hashed in the load, not its seal"
+    ((size, hashed_on),) = hashed
+    assert size == path.stat().st_size and hashed_on.startswith("ember-cache-write"), hashed
     assert _marker(blob).exists() and _record(auto, got).exists() and not mapped.exists()
     for name, tensor in sample_tensors.items():  # the rename kept the mapped pages
         assert torch.equal(got.tensors[name], tensor), name
@@ -148,8 +152,12 @@ def test_a_blob_placed_but_never_sealed_is_not_trusted_and_is_swept_once_stale(
 ) -> None:
     node = NodeTier(auto)
     data = os.urandom(4096)
+    key = BlobKey("ns", "v1", "model.safetensors")
     blob = _placed(node, data)  # the process dies here, before its seal
-    assert blob.exists() and node.hit(BlobKey("ns", "v1", "model.safetensors")) is None
+    link = node.link_path(key)  # even with a snapshot link, the marker is what is trusted
+    link.parent.mkdir(parents=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
+    assert blob.exists() and node.hit(key) is None
     assert not node.entries()  # nor counted, nor evicted: it is not an entry
     node.sweep_temps()
     assert blob.exists(), "a young placed blob may still be sealing"
@@ -194,11 +202,20 @@ def test_a_sealed_behind_fill_is_copied_by_the_kernel_not_through_a_buffer(
     def no_buffer(size: int) -> object:
         raise AssertionError("the fill allocated a buffer for bytes the load maps from disk")
 
+    copied: list[int] = []
+    real_copy = os.copy_file_range
+
+    def spy(src: int, dst: int, count: int, *offsets: int) -> int:
+        copied.append(count)
+        return real_copy(src, dst, count, *offsets)
+
     monkeypatch.setattr(reader_module, "anonymous_buffer", no_buffer)
+    monkeypatch.setattr(os, "copy_file_range", spy)
     got = snapshot_load(path.as_uri(), code_version="v1", config=auto)
     for name, tensor in sample_tensors.items():
         assert torch.equal(got.tensors[name], tensor), name
     assert wait_for_cache_writes(timeout_s=60)
+    assert copied, "the kernel copied nothing"
 
 
 def test_without_an_in_kernel_copy_the_fill_copies_through_a_small_buffer(
@@ -212,7 +229,11 @@ def test_without_an_in_kernel_copy_the_fill_copies_through_a_small_buffer(
     def unsupported(*args: object) -> int:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
+    def no_buffer(size: int) -> object:
+        raise AssertionError("the fallback allocated a whole-file buffer")
+
     monkeypatch.setattr(os, "copy_file_range", unsupported)
+    monkeypatch.setattr(reader_module, "anonymous_buffer", no_buffer)
     got = snapshot_load(path.as_uri(), code_version="v1", config=auto)
     for name, tensor in sample_tensors.items():
         assert torch.equal(got.tensors[name], tensor), name
@@ -222,23 +243,63 @@ def test_without_an_in_kernel_copy_the_fill_copies_through_a_small_buffer(
     assert blob.read_bytes() == path.read_bytes()
 
 
-def test_an_origin_rewritten_during_the_copy_fails_the_load_and_leaves_nothing(
+def test_an_origin_changed_during_the_copy_fails_the_load_and_leaves_nothing(
     write_file: Writer,
     auto: LoaderConfig,
     sample_tensors: dict[str, torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = write_file(sample_tensors, "model.safetensors")
-    real_start = FileCopy.start
+    real_copy = copy_module._copy_range
 
-    def rewrite_then_start(self: FileCopy, pool: object = None) -> None:
-        data = path.read_bytes()
-        path.unlink()  # a new inode: what a model upload that replaces the file does
-        path.write_bytes(data)
-        real_start(self, pool)  # type: ignore[arg-type]
+    def copy_then_change(src: int, tmp: TempBlob, start: int, end: int, where: str) -> int:
+        done = real_copy(src, tmp, start, end, where)
+        with path.open("r+b") as f:  # the same file, written in place while it is read
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000_000))
+        return done
 
-    monkeypatch.setattr(FileCopy, "start", rewrite_then_start)
+    monkeypatch.setattr(copy_module, "_copy_range", copy_then_change)
     with pytest.raises(ObjectChanged):
         snapshot_load(path.as_uri(), code_version="v1", config=auto)
     assert wait_for_cache_writes(timeout_s=60)
     assert not [p for p in auto.node_root().glob("*/blobs/*")], "a fill left a file behind"
+
+
+def test_a_fill_holds_one_file_buffer_at_a_time(
+    write_file: Writer,
+    config: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``resolve`` of a sharded model reads each file into a buffer: once a file is in the
+    node cache, its buffer goes (the whole model in anonymous memory would be a copy)."""
+    import gc
+    import json
+    import mmap
+    import weakref
+
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    weight_map: dict[str, str] = {}
+    for i, name in enumerate(names):
+        shard = {f"{key}.{i}": value for key, value in sample_tensors.items()}
+        path = write_file(shard, name)
+        weight_map |= dict.fromkeys(shard, name)
+    (path.parent / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    buffers: list[weakref.ref[mmap.mmap]] = []
+    alive_before: list[int] = []
+    real_buffer = reader_module.anonymous_buffer
+
+    def tracked(size: int) -> mmap.mmap:
+        gc.collect()
+        alive_before.append(sum(ref() is not None for ref in buffers))
+        buffer = real_buffer(size)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(reader_module, "anonymous_buffer", tracked)
+    weights = resolve(path.parent.as_uri(), config=config)
+    assert len(weights.paths) == 3
+    assert alive_before == [0, 0, 0], f"earlier files' buffers alive at each read: {alive_before}"
