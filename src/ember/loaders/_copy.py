@@ -6,7 +6,7 @@ range is copied file to file with ``copy_file_range``, on the reader's threads. 
 no anonymous buffer to allocate and fill, and no second copy out of it; the hash is left
 to the seal. Measured on a 2-core machine, 2 GB with the origin's page cache cold: the
 copies alone took 1.1 s with four threads (2.6 s with one); the whole first load
-(``bench/first_fill.py``) 1.4-1.5 s, against 2.7-3.8 s through a buffer.
+(``bench/first_fill.py``) 1.4-1.7 s, against 2.7-3.8 s through a buffer.
 """
 
 from __future__ import annotations
