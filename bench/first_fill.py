@@ -1,5 +1,7 @@
 """A fresh node's first load of a ladder model from a ``file://`` origin: sealed behind the
-load (``cache_write="auto"``) against waiting for the seal (``"through"``, the old way).
+load (``cache_write="auto"``) against waiting for the seal (``"through"``, the old way) and
+against ``from_pretrained`` on the same folder (what a plain Ray Serve user writes; it fills
+no cache).
 
 Each trial is a fresh process that runs ``load_causal_lm`` on one ladder rung
 (``bench/model_ladder.py``) into an empty node cache, with the origin's pages dropped from
@@ -11,7 +13,11 @@ wall time, ``sealed_s`` the time until every file is published (``auto``: the lo
 (``_sizes_limits.disk_bandwidth``): ``disk_read_s`` is the bytes at that speed, the floor
 for any load of them from this disk.
 
-Trials alternate the two ways, ``--rounds`` times; the medians and their ratio go to
+``from_pretrained`` runs in a fresh process of its own the same way (imports before the
+clock, the folder's pages dropped), bf16, ``local_files_only``; it publishes nothing, so
+its ``sealed_s`` is its ``load_s``.
+
+Trials alternate the three ways, ``--rounds`` times; the medians and their ratio go to
 ``bench/results/first_fill[.short].json``.
 
 Usage:
@@ -35,7 +41,7 @@ import _harness as h
 import _sizes_limits as lim
 import model_ladder
 
-WAYS = ("auto", "through")
+WAYS = ("auto", "through", "from_pretrained")
 KEYS = ("load_s", "sealed_s")
 CHILD = """
 import json, sys, time
@@ -49,6 +55,16 @@ assert wait_for_cache_writes(timeout_s=600)
 print(json.dumps({"load_s": load_s, "sealed_s": time.perf_counter() - start,
                   "phases_s": report.phases_s}), flush=True)
 """
+PEER = """
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+start = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16,
+                                             local_files_only=True)
+load_s = time.perf_counter() - start
+print(json.dumps({"load_s": load_s, "sealed_s": load_s}), flush=True)
+"""
 
 
 def one(way: str, folder: Path, deadline: h.Deadline) -> dict[str, Any]:
@@ -57,8 +73,10 @@ def one(way: str, folder: Path, deadline: h.Deadline) -> dict[str, Any]:
         raise RuntimeError("pages stayed resident after the drop")
     cache = Path(tempfile.mkdtemp(prefix="ember-first-fill-"))
     try:
+        argv = ([textwrap.dedent(PEER), str(folder)] if way == "from_pretrained" else
+                [textwrap.dedent(CHILD), folder.as_uri(), str(cache), way])
         out = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(CHILD), folder.as_uri(), str(cache), way],
+            [sys.executable, "-c", *argv],
             capture_output=True, text=True, check=True, timeout=deadline.left(),
         )
         got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -70,7 +88,7 @@ def one(way: str, folder: Path, deadline: h.Deadline) -> dict[str, Any]:
 def main() -> int:
     parser = h.parser(__doc__, deadline_s=900)
     parser.add_argument("--size", help="ladder rung (2gb; short 0.5gb)")
-    parser.add_argument("--rounds", type=int, help="rounds of the two ways (3; short 2)")
+    parser.add_argument("--rounds", type=int, help="rounds of the three ways (3; short 2)")
     args = h.pick(parser.parse_args(), size=("2gb", "0.5gb"), rounds=(3, 2))
     deadline = h.install_deadline(args.deadline_s)
     folder = model_ladder.ensure(args.size)
@@ -96,6 +114,8 @@ def main() -> int:
             "load_auto_over_disk_read": h.ratio(medians["auto"]["load_s"], disk_read_s),
             "load_through_over_auto": h.ratio(medians["through"]["load_s"],
                                               medians["auto"]["load_s"]),
+            "load_from_pretrained_over_auto": h.ratio(medians["from_pretrained"]["load_s"],
+                                                      medians["auto"]["load_s"]),
             "sealed_auto_over_through": h.ratio(medians["auto"]["sealed_s"],
                                                 medians["through"]["sealed_s"]),
         },

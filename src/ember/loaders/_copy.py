@@ -4,9 +4,8 @@ When the load maps the fill's own temp file (``seal_behind``) and the origin is 
 file with no published checksum, the bytes need not pass through this process: each
 range is copied file to file with ``copy_file_range``, on the reader's threads. There is
 no anonymous buffer to allocate and fill, and no second copy out of it; the hash is left
-to the seal. Measured on a 2-core machine, 2 GB with the origin's page cache cold: the
-copies alone took 1.1 s with four threads (2.6 s with one); the whole first load
-(``bench/first_fill.py``) 1.4-1.7 s, against 2.7-3.8 s through a buffer.
+to the seal. ``bench/first_fill.py`` times the whole first load this way against one
+that waits for the seal and against ``from_pretrained``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A fill from a local origin is mapped before its hash and fsync; its seal publishes it.
 
-The hash of a fresh fill is sequential (about 1 GB/s) and its fsync bound by the disk's
+The hash of a fresh fill runs on one thread and its fsync is bound by the disk's
 durable writes (slower than its reads on some disks), so ``cache_write="auto"`` leaves
 them, the rename, the marker and the snapshot link to a background thread. These tests
 hold that thread back to see the order, and check that a fill that dies or fails before
