@@ -20,6 +20,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -190,17 +191,22 @@ def ensure(size: str, seed: int = 0, root: Path | None = None) -> Path:
     """The cached folder of rung ``size``, written first when missing or stale."""
     rung = LADDER[size]
     folder = (root or ladder_root()) / size
-    stamp = stamp_of(folder)
     want = {"format": FORMAT_VERSION, "seed": seed, "rung": asdict(rung)}
-    if stamp is not None and all(stamp.get(k) == v for k, v in want.items()):
-        return folder
-    tmp = folder.with_name(f".{size}.tmp-{os.getpid()}")
-    write_checkpoint(rung, tmp, seed)
-    if folder.exists():
-        for old in folder.iterdir():
-            old.unlink()
-        folder.rmdir()
-    tmp.rename(folder)  # a killed build leaves a temp folder, never a half-written rung
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One writer at a time: test sessions and benchmarks may run side by side, and a second
+    # writer's replace would delete the files the first one's readers have open.
+    with open(folder.with_name(f".{size}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = stamp_of(folder)
+        if stamp is not None and all(stamp.get(k) == v for k, v in want.items()):
+            return folder
+        tmp = folder.with_name(f".{size}.tmp-{os.getpid()}")
+        write_checkpoint(rung, tmp, seed)
+        if folder.exists():
+            for old in folder.iterdir():
+                old.unlink()
+            folder.rmdir()
+        tmp.rename(folder)  # a killed build leaves a temp folder, never a half-written rung
     return folder
 
 
