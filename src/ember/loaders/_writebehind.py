@@ -209,12 +209,29 @@ def _after(after: Callable[[NodeHit], None] | None, hit: NodeHit) -> None:
 
 def seal(job: CacheSeal) -> Future[NodeHit | None]:
     """Queue ``job``; its future gives the published blob, or ``None`` if the seal failed."""
-    return _submit(_seal, job)
+    try:
+        return _submit(_seal, job)
+    except RuntimeError as exc:
+        job.tmp.discard()
+        return _refused(job.key, job.ticket, exc)
 
 
 def submit(job: CacheWrite) -> Future[NodeHit | None]:
     """Queue ``job``; its future gives the published blob, or ``None`` if the write failed."""
-    return _submit(_write, job)
+    try:
+        return _submit(_write, job)
+    except RuntimeError as exc:
+        return _refused(job.key, job.ticket, exc)
+
+
+def _refused(key: BlobKey, ticket: FillTicket, exc: RuntimeError) -> Future[NodeHit | None]:
+    """A job the queue would not take (the interpreter is shutting down: its thread pools
+    take no new work). Its ticket is finished unpublished, so waiters in this process and
+    others fetch for themselves at once instead of waiting out the lease, and the load's
+    other files are still handed to the queue."""
+    log.warning("node cache write of %s not queued: %s", key.name, exc)
+    ticket.finish(published=False)
+    return done(None)
 
 
 def then(

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,28 @@ def test_a_fill_holds_one_file_buffer_at_a_time(
     weights = resolve(path.parent.as_uri(), config=config)
     assert len(weights.paths) == 3
     assert alive_before == [0, 0, 0], f"earlier files' buffers alive at each read: {alive_before}"
+
+
+def test_a_seal_the_queue_refuses_finishes_its_ticket_and_leaves_no_temp_file(
+    write_file: Writer,
+    auto: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At interpreter shutdown the write-behind pool takes no new work; a shut-down pool
+    # refuses the same way. A fill whose seal is refused must still finish its ticket, or
+    # the next load of the same file in this process waits on it; before, the load failed.
+    path = write_file(sample_tensors, "model.safetensors")
+    refusing = ThreadPoolExecutor(1)
+    refusing.shutdown()
+    chosen = auto
+    with monkeypatch.context() as patch:
+        patch.setattr(writebehind, "_pool", refusing)
+        got = snapshot_load(path.as_uri(), code_version="v1", config=chosen)
+    assert torch.equal(got.tensors["embed.weight"], sample_tensors["embed.weight"])
+    assert not list(chosen.node_root().glob("*/blobs/.tmp-*"))
+    thread, out = _load_in_thread(path.as_uri(), chosen)
+    thread.join(20)  # under the 30 s lease: a ticket left unfinished makes this wait
+    assert out and torch.equal(out[0].tensors["embed.weight"], sample_tensors["embed.weight"])
+    assert wait_for_cache_writes(timeout_s=60)
+    assert snapshot_load(path.as_uri(), code_version="v1", config=chosen).restored
