@@ -17,14 +17,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# The pytest sessions, two lanes side by side (tests/lanes.py says which and why): the
-# session cluster's unit and integration tests, then the two-node cluster's; beside them the
-# load test's short run, then the e2e tests, each starting `ember run` and so Ray clusters of
-# their own. Each session prints its ten slowest tests, so a run's log says where time went.
+# Three pytest runs, one Ray cluster each: the session cluster of the unit and integration
+# tests; the two-node cluster of tests/integration/test_two_nodes*.py (a process joins one
+# cluster); and the e2e tests, which start `ember run` and so a cluster of its own. Each
+# prints its ten slowest tests, so a run's log says where its time went.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
-	$(BIN)/python tests/lanes.py
+	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
+	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10
+	$(BIN)/python -m pytest tests/e2e --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
