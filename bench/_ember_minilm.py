@@ -24,7 +24,9 @@ BATCH = ember.Batch(max_size=32, max_wait_ms=5)
 
 def _options() -> dict[str, object]:
     shipped = get_spec(MiniLM).options
-    options = {key: getattr(shipped, key) for key in type(shipped).model_fields}
+    # Only the options the decorator set: passing a default names it as set, and options that
+    # apply only beside another (prefix_max_queue_gap with router='prefix') are then refused.
+    options = {key: getattr(shipped, key) for key in shipped.model_fields_set}
     options.update(batch=BATCH, warm_floor=1, max_replicas=1)
     return options
 

@@ -64,7 +64,8 @@ def shipped_options(cls: type, **changes: Any) -> dict[str, Any]:
     from ember.app.decorator import get_spec
 
     shipped = get_spec(cls).options
-    options = {key: getattr(shipped, key) for key in type(shipped).model_fields}
+    # Only the options the decorator set (see bench/_ember_minilm.py).
+    options = {key: getattr(shipped, key) for key in shipped.model_fields_set}
     options.update(changes)
     return options
 

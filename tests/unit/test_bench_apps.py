@@ -1,0 +1,44 @@
+"""The benchmarks' Ember apps build with the options the flagship ships with.
+
+A benchmark is run rarely and by hand; an option check added to ``@ember.deployment`` once
+made ``bench/_ember_minilm.py`` refuse to load, and only the next benchmark run found it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import ember
+from ember.app.decorator import get_spec
+from ember.deployments.embeddings import Embedding, MiniLM
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def test_the_throughput_contender_builds_with_the_shipped_options() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        module = importlib.import_module("_ember_minilm")
+    finally:
+        sys.path.remove(str(BENCH))
+    options = get_spec(module.MiniLMCounted).options
+    assert options.max_replicas == 1 and options.warm_floor == 1
+    assert options.route == get_spec(MiniLM).options.route
+    assert isinstance(module.app, ember.App)
+
+
+def test_shipped_options_rebuild_a_deployment() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        serving = importlib.import_module("_serving")
+    finally:
+        sys.path.remove(str(BENCH))
+
+    @ember.deployment(**serving.shipped_options(MiniLM, max_replicas=2))
+    class Again(MiniLM):
+        def __call__(self, texts: list[str]) -> list[Embedding]:
+            return super().__call__(texts)
+
+    assert get_spec(Again).options.max_replicas == 2
