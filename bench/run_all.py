@@ -20,8 +20,8 @@ import _harness as h
 
 #: Every benchmark, quickest and quietest first (the model alone before any server).
 SCRIPTS = ("model_ceiling", "textgen", "loaders", "mlp_coldstart", "coldstart", "burst",
-           "replica_memory", "batching_curve", "throughput", "hops", "offline", "shadow",
-           "textgen_http")
+           "replica_memory", "batching_curve", "throughput", "idle_cpu", "hops", "offline",
+           "shadow", "textgen_http")
 
 
 def run_one(name: str, short: bool, timeout_s: float) -> tuple[int, float]:
