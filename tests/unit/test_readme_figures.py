@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from statistics import median
@@ -189,6 +190,25 @@ def operator_state(doc: dict[str, Any]) -> Cells:
 
 
 #: Results file (relative to the repository root) -> the cells its tables quote.
+IDLE_ROWS = {"ember": "Ember, `ember run`", "stock": "Ray Serve, stock `serve run`"}
+IDLE_KINDS = (("serve controller", "Serve controller"), ("edges / proxy", "edges / proxy"),
+              ("ray daemons", "Ray's daemons"))
+
+
+def idle_cpu(doc: dict[str, Any]) -> Cells:
+    """``bench/idle_cpu.py``: idle CPU in % of a core, in total and by process kind (medians
+    over rounds), and Ember / stock."""
+    cells: Cells = {}
+    for key, row in IDLE_ROWS.items():
+        cells[row, "idle CPU"] = _spread(doc["summary"][key]["idle_cpu_pct"], ".1f", " %")
+        rounds = [r for r in doc["rounds"] if r["contender"] == key]
+        for kind, column in IDLE_KINDS:
+            value = statistics.median(r["by_kind_pct"].get(kind, 0.0) for r in rounds)
+            cells[row, column] = f"{value:.1f} %"
+    cells["Ember / stock", "idle CPU"] = f"{doc['ratio']['ember/stock idle_cpu_pct']['value']:.2f}x"
+    return cells
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,
     "bench/results/coldstart.json": coldstart,
@@ -201,6 +221,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/coldstart_sizes_regional.short.json": coldstart_sizes,
     "bench/results/llm.json": llm,
     "bench/results/operator_state.json": operator_state,
+    "bench/results/idle_cpu.json": idle_cpu,
 }
 
 
