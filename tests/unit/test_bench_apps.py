@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import ember
 from ember.app.decorator import get_spec
@@ -17,12 +18,17 @@ from ember.deployments.embeddings import Embedding, MiniLM
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def test_the_throughput_contender_builds_with_the_shipped_options() -> None:
+def bench_module(name: str) -> ModuleType:
+    """``bench/<name>.py``, imported as the benchmarks import it (``bench/`` on the path)."""
     sys.path.insert(0, str(BENCH))
     try:
-        module = importlib.import_module("_ember_minilm")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_the_throughput_contender_builds_with_the_shipped_options() -> None:
+    module = bench_module("_ember_minilm")
     options = get_spec(module.MiniLMCounted).options
     assert options.max_replicas == 1 and options.warm_floor == 1
     assert options.route == get_spec(MiniLM).options.route
@@ -30,11 +36,7 @@ def test_the_throughput_contender_builds_with_the_shipped_options() -> None:
 
 
 def test_shipped_options_rebuild_a_deployment() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        serving = importlib.import_module("_serving")
-    finally:
-        sys.path.remove(str(BENCH))
+    serving = bench_module("_serving")
 
     @ember.deployment(**serving.shipped_options(MiniLM, max_replicas=2))
     class Again(MiniLM):
