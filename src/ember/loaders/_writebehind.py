@@ -80,16 +80,36 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, _NICE)
 
 
-def _submit(fn: Callable[..., T], *args: Any) -> Future[T]:
+def _submit(fn: Callable[..., T], *args: Any, refused: Callable[[], T]) -> Future[T]:
+    """Queue ``fn(*args)``. A job the pool refuses (at interpreter shutdown thread pools take
+    no new work) runs ``refused`` here instead, its way out without the queue, so that no
+    ticket is left unfinished and the load that queued it keeps its tensors."""
     global _pool
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(1, thread_name_prefix="ember-cache-write",
                                        initializer=_lower_priority)
-        future = _pool.submit(fn, *args)
-        _pending.add(future)
+        try:
+            future = _pool.submit(fn, *args)
+        except RuntimeError as exc:
+            log.warning("node cache work not queued: %s", exc)
+            refusal: RuntimeError | None = exc
+        else:
+            refusal = None
+            _pending.add(future)
+    if refusal is not None:
+        return done(refused())
     future.add_done_callback(_forget)
     return future
+
+
+def _unqueued(ticket: FillTicket, tmp: TempBlob | None) -> None:
+    """A refused write or seal: its temp file goes and its ticket is finished unpublished,
+    so waiters here and in other processes fetch for themselves instead of waiting out the
+    lease."""
+    if tmp is not None:
+        tmp.discard()
+    ticket.finish(published=False)
 
 
 def _forget(future: Future[Any]) -> None:
@@ -209,29 +229,12 @@ def _after(after: Callable[[NodeHit], None] | None, hit: NodeHit) -> None:
 
 def seal(job: CacheSeal) -> Future[NodeHit | None]:
     """Queue ``job``; its future gives the published blob, or ``None`` if the seal failed."""
-    try:
-        return _submit(_seal, job)
-    except RuntimeError as exc:
-        job.tmp.discard()
-        return _refused(job.key, job.ticket, exc)
+    return _submit(_seal, job, refused=lambda: _unqueued(job.ticket, job.tmp))
 
 
 def submit(job: CacheWrite) -> Future[NodeHit | None]:
     """Queue ``job``; its future gives the published blob, or ``None`` if the write failed."""
-    try:
-        return _submit(_write, job)
-    except RuntimeError as exc:
-        return _refused(job.key, job.ticket, exc)
-
-
-def _refused(key: BlobKey, ticket: FillTicket, exc: RuntimeError) -> Future[NodeHit | None]:
-    """A job the queue would not take (the interpreter is shutting down: its thread pools
-    take no new work). Its ticket is finished unpublished, so waiters in this process and
-    others fetch for themselves at once instead of waiting out the lease, and the load's
-    other files are still handed to the queue."""
-    log.warning("node cache write of %s not queued: %s", key.name, exc)
-    ticket.finish(published=False)
-    return done(None)
+    return _submit(_write, job, refused=lambda: _unqueued(job.ticket, None))
 
 
 def then(
@@ -245,7 +248,8 @@ def then(
         if len(published) == len(hits):
             fn(published)
 
-    return _submit(run)
+    # Refused, the record is skipped: the next load finds no record, fills and records.
+    return _submit(run, refused=lambda: None)
 
 
 def wait_all(timeout_s: float | None = None) -> bool:

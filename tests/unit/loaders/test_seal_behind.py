@@ -306,19 +306,22 @@ def test_a_fill_holds_one_file_buffer_at_a_time(
     assert alive_before == [0, 0, 0], f"earlier files' buffers alive at each read: {alive_before}"
 
 
+@pytest.mark.parametrize("cache_write", ["auto", "behind"])
 def test_a_seal_the_queue_refuses_finishes_its_ticket_and_leaves_no_temp_file(
     write_file: Writer,
-    auto: LoaderConfig,
+    config: LoaderConfig,
     sample_tensors: dict[str, torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
+    cache_write: str,
 ) -> None:
     # At interpreter shutdown the write-behind pool takes no new work; a shut-down pool
-    # refuses the same way. A fill whose seal is refused must still finish its ticket, or
-    # the next load of the same file in this process waits on it; before, the load failed.
+    # refuses the same way. A fill whose seal ("auto") or write ("behind") is refused must
+    # still finish its ticket, or the next load of the same file in this process waits on
+    # it; the snapshot record queued after them is skipped. Before, the load failed.
     path = write_file(sample_tensors, "model.safetensors")
     refusing = ThreadPoolExecutor(1)
     refusing.shutdown()
-    chosen = auto
+    chosen = config.model_copy(update={"cache_write": cache_write})
     with monkeypatch.context() as patch:
         patch.setattr(writebehind, "_pool", refusing)
         got = snapshot_load(path.as_uri(), code_version="v1", config=chosen)
