@@ -133,7 +133,7 @@ def test_sigkill_leaves_no_process_of_the_run(tmp_path: Path) -> None:
     try:
         run.wait_ready(300)
         assert httpx.post(f"{url}/sleep", json={"seconds": 0}, timeout=60).status_code == 200
-        time.sleep(1.0)  # the watchdog records the tree every half second
+        time.sleep(1.5)  # the watchdog records a still tree every second
         run.send(signal.SIGKILL)
         run.wait(30)
         run.assert_nothing_left(30)

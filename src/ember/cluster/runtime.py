@@ -33,7 +33,7 @@ from ember.control.listeners import (
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
 from ember.edge.auth import ApiKeys, check_exposure
-from ember.edge.drain import WATCH_PERIOD_S
+from ember.edge.drain import STEADY_WATCH_PERIOD_S
 from ember.edge.edge import (
     DRAIN_S,
     EDGE_DEPLOYMENT,
@@ -342,8 +342,10 @@ def drain(app: App, *, interrupted: Callable[[], bool] = lambda: False) -> bool:
     edge = status.deployments.get(EDGE_DEPLOYMENT) if status is not None else None
     edges = sum(int(n) for state, n in (edge.replica_states if edge is not None else {}).items()
                 if getattr(state, "value", state) == "RUNNING")
-    # The edges read the phase every WATCH_PERIOD_S: give them that to report.
-    return lifecycle.drain(app.name, edges=edges, timeout_s=timeout_s + 2 * WATCH_PERIOD_S,
+    # A serving edge reads the phase at least every STEADY_WATCH_PERIOD_S: give it that to
+    # report.
+    return lifecycle.drain(app.name, edges=edges,
+                           timeout_s=timeout_s + 2 * STEADY_WATCH_PERIOD_S,
                            interrupted=interrupted)
 
 

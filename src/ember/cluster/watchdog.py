@@ -4,8 +4,9 @@ Ray ties its GCS and raylet to the process that started them (``PR_SET_PDEATHSIG
 what the raylet starts in turn: after a ``SIGKILL`` of ``ember run`` its dashboard agent,
 runtime-env agent and workers live on with no parent. The watchdog is a small child process
 that records the serving process's descendants (PID and start time) every
-:data:`RECORD_EVERY_S` and, when the serving process is gone (the pipe it holds reaches end of
-file) or asks for it, kills every recorded process still alive and their own descendants.
+:data:`RECORD_EVERY_S` (less often while the tree stands still) and, when the serving process
+is gone (the pipe it holds reaches end of file) or asks for it, kills every recorded process
+still alive and their own descendants.
 Processes are found by PID and start time only, never by name: other Ray clusters on the
 machine are not touched.
 
@@ -27,7 +28,13 @@ from typing import IO
 
 import psutil
 
+from ember.control.backoff import next_interval_s
+
 RECORD_EVERY_S = 0.5
+#: The record's period while the tree stands still (``control/backoff``). Each record reads
+#: every process's parent from /proc, so a fixed fast one costs an idle server CPU all day;
+#: a process born this long before a ``SIGKILL`` of the serving process may be missed.
+STEADY_RECORD_EVERY_S = 1.0
 #: How long one round of killing waits for its processes to end.
 KILL_WAIT_S = 5.0
 #: Commands on the watchdog's stdin, each answered with one line on its stdout.
@@ -112,12 +119,18 @@ def _kill(known: dict[int, psutil.Process], spare: set[int]) -> None:
             time.sleep(0.05)
 
 
-def _record(parent: psutil.Process, known: dict[int, psutil.Process], spare: set[int]) -> None:
-    """Add ``parent``'s descendants to ``known``; forget the known ones that ended."""
+def _record(parent: psutil.Process, known: dict[int, psutil.Process], spare: set[int]) -> bool:
+    """Add ``parent``'s descendants to ``known``; forget the known ones that ended.
+
+    Returns:
+        Whether ``known`` changed.
+    """
+    before = set(known)
     for pid in [pid for pid, p in known.items() if not p.is_running()]:
         del known[pid]
     with contextlib.suppress(psutil.Error):
         known.update({p.pid: p for p in parent.children(recursive=True) if p.pid not in spare})
+    return set(known) != before
 
 
 def watch(parent_pid: int, commands: IO[bytes], answers: IO[bytes]) -> None:
@@ -131,9 +144,12 @@ def watch(parent_pid: int, commands: IO[bytes], answers: IO[bytes]) -> None:
     _record(parent, known, spare)
     answers.write(b"ok\n")  # started: see Watchdog.wait_started
     answers.flush()
+    period = RECORD_EVERY_S
     while True:
-        ready, _, _ = select.select([commands], [], [], RECORD_EVERY_S)
-        _record(parent, known, spare)
+        ready, _, _ = select.select([commands], [], [], period)
+        changed = _record(parent, known, spare)
+        period = next_interval_s(period, changed=changed, fast_s=RECORD_EVERY_S,
+                                 slow_s=STEADY_RECORD_EVERY_S)
         if not ready:
             continue
         line = commands.readline()

@@ -39,12 +39,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from ember import ray_internals
+from ember.control.backoff import next_interval_s
 
 logger = logging.getLogger("ember.warm_runtime")
 
 #: Idle pre-started workers are kept this long (then Ray's idle-worker rules apply again).
 KEEP_ALIVE_S = 24 * 3600
 _REFILL_EVERY_S = 1.0
+#: How often it counts them while the count stands still (``control/backoff``): counting
+#: reads every process's parent from /proc. A worker a cold start takes is seen within this;
+#: while workers are missing, the count runs at ``_REFILL_EVERY_S`` again.
+_STEADY_REFILL_EVERY_S = 4.0
 #: A used worker is replaced this long after it was taken: a new worker importing torch
 #: competes for the cores with the cold start that just took the old one.
 _REFILL_AFTER_S = 3.0
@@ -187,9 +192,13 @@ class Refiller:
 
     def _run(self) -> None:
         short_since: float | None = None
+        period, last = _REFILL_EVERY_S, None
         while True:
             try:
                 missing = self.idle - idle_workers()
+                period = next_interval_s(period, changed=missing != last or missing > 0,
+                                         fast_s=_REFILL_EVERY_S, slow_s=_STEADY_REFILL_EVERY_S)
+                last = missing
                 now = time.monotonic()
                 short_since = (short_since or now) if missing > 0 else None
                 if short_since is not None and (now - short_since >= _REFILL_AFTER_S
@@ -202,5 +211,5 @@ class Refiller:
                     logger.warning("warm runtime: prestarting Ray workers failed; new "
                                    "replicas start fresh processes meanwhile", exc_info=True)
                 self._failing = True
-            if self._stop.wait(_REFILL_EVERY_S):
+            if self._stop.wait(period):
                 return

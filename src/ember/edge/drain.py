@@ -24,6 +24,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember import ray_internals
+from ember.control.backoff import next_interval_s
 from ember.edge._asgi import error_response
 from ember.errors import ShuttingDown
 
@@ -31,8 +32,10 @@ logger = logging.getLogger("ember.edge")
 
 NAMESPACE = "ember"
 STARTING, SERVING, DRAINING = "starting", "serving", "draining"
-#: How often an edge reads the phase: a drain is seen within this, readiness too.
+#: How often an edge reads the phase after a change, readiness included (``control/backoff``).
 WATCH_PERIOD_S = 0.2
+#: How often it reads a phase that has stood still: a drain is seen within this.
+STEADY_WATCH_PERIOD_S = 0.8
 #: Paths that keep their own answers while draining: probes and the edges' own metrics.
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 
@@ -61,13 +64,21 @@ class DrainGate:
         return self.phase == SERVING
 
     async def watch(self, app: str, edge: str) -> None:
-        """Follow the phase; while draining, publish this edge's requests in flight."""
+        """Follow the phase; while draining, publish this edge's requests in flight.
+
+        Every :data:`WATCH_PERIOD_S` while the phase is not serving (starting, draining) or
+        just changed, backing off to :data:`STEADY_WATCH_PERIOD_S` while it stands still.
+        """
+        period = WATCH_PERIOD_S
         while True:
+            before = self.phase
             try:
                 await asyncio.to_thread(self._sync, app, edge)
             except Exception:  # the GCS may be restarting: keep the last phase, try again
                 logger.debug("cannot read the server's phase", exc_info=True)
-            await asyncio.sleep(WATCH_PERIOD_S)
+            period = next_interval_s(period, changed=self.phase != before or not self.serving,
+                                     fast_s=WATCH_PERIOD_S, slow_s=STEADY_WATCH_PERIOD_S)
+            await asyncio.sleep(period)
 
     def _sync(self, app: str, edge: str) -> None:
         raw = ray_internals.kv_get(phase_key(app), namespace=NAMESPACE)

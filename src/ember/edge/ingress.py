@@ -9,24 +9,19 @@ controller, driven by Ember's policy, starts replicas.
 from __future__ import annotations
 
 import asyncio
-import collections.abc
 import inspect
 import json
 import logging
 import os
 import time
-import typing
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Query, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
-from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 from ray.serve.handle import DeploymentHandle
 from starlette.routing import Match, Router
@@ -36,6 +31,7 @@ from ember import ray_internals, settings
 from ember.app.config import DeploymentOptions, check_name
 from ember.app.decorator import RouteSpec
 from ember.control import floors, listeners, placement, pool
+from ember.control.backoff import next_interval_s
 from ember.edge._asgi import (
     COLD_START_HEADER,
     ColdStartHeaderMiddleware,
@@ -48,6 +44,8 @@ from ember.edge._asgi import (
 )
 from ember.edge._dispatch import Dispatcher
 from ember.edge._metrics import EdgeBoard, Metrics
+from ember.edge._replica_states import read_replica_states
+from ember.edge._route_types import body_parameter, response_model, single_item
 from ember.edge._state import LoadTracker
 from ember.edge._strict_json import (
     ContentEncodingMiddleware,
@@ -64,9 +62,16 @@ from ember.errors import BadRequest, EmberError, InvalidBody, NotFound
 
 logger = logging.getLogger("ember.ingress")
 
+#: Replica states are read this often after a change, backing off to _STEADY_POLL_S while
+#: they stand still (``control/backoff``): requests find a deployment's replicas through
+#: their handle's router, so these counts only back it up, and feed status and metrics.
 _STATUS_POLL_S = 1.0
+_STEADY_POLL_S = 3.0
 _FAST_POLL_S = 0.25
 _PUBLISH_EVERY_S = 1.0
+#: A report that has not changed is published again after this long: other edges drop one
+#: silent for ``EdgeReports.STALE_S``.
+_REPUBLISH_S = 10.0
 _DEFAULT_BODY_LIMIT = 1 << 20
 #: Body limit of admin routes, read-only methods and paths no route serves: all they take is
 #: a small JSON document, if anything.
@@ -100,6 +105,9 @@ class IngressState:
         #: Set by the edge that serves this state: the other edges' metrics and status.
         self.board: EdgeBoard | None = None
         self._published_at = -_PUBLISH_EVERY_S
+        self._published: tuple[bytes, str] | None = None
+        self._republished_at = 0.0
+        self._seen_states: dict[str, tuple[Any, ...]] = {}
         self.tracker = LoadTracker(options, self.metrics)
         #: The serving process's phase as this ingress last read it (see ``drain.py``).
         self.gate = DrainGate()
@@ -169,9 +177,16 @@ class IngressState:
     def ready(self) -> bool:
         return self.gate.serving and self.tracker.ready()
 
-    async def poll_once(self) -> None:
-        """Read every deployment's replica states from Serve's controller once."""
+    async def poll_once(self) -> bool:
+        """Read every deployment's replica states from Serve's controller once.
+
+        Returns:
+            Whether any deployment's states or status differ from the last read.
+        """
         overviews = await asyncio.to_thread(read_replica_states, self.app_name)
+        states = {name: (sorted(o.replica_states.items()), o.status, o.message)
+                  for name, o in overviews.items()}
+        changed, self._seen_states = states != self._seen_states, states
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         await self._check_placement()
@@ -180,14 +195,26 @@ class IngressState:
         # only when a pool replica starts); fast polls (0.25 s) need not repeat them.
         now = time.monotonic()
         if now - self._published_at < _PUBLISH_EVERY_S:
-            return
+            return changed
         self._published_at = now
         await self.versions.refresh()
         if self.tracker.pool_expected or self.tracker.gpu_pool_expected:
             failures = await asyncio.to_thread(pool.read_failures, self.app_name)
             self.tracker.update_pool_failures(failures)
-        if self.board is not None:
-            await asyncio.to_thread(self.board.publish, self.metrics.render(), self.status())
+        await self._publish(now)
+        return changed
+
+    async def _publish(self, now: float) -> None:
+        """This edge's metrics and status for the other edges, when they changed (or are
+        about to go stale): an idle edge does not rewrite the same report every second."""
+        if self.board is None:
+            return
+        status = self.status()
+        report = (self.metrics.render(), json.dumps(status, sort_keys=True, default=str))
+        if report == self._published and now - self._republished_at < _REPUBLISH_S:
+            return
+        await asyncio.to_thread(self.board.publish, report[0], status)
+        self._published, self._republished_at = report, now
 
     async def _check_placement(self) -> None:
         """Say why a starting replica waits, when Ray has no node with room for it."""
@@ -221,89 +248,21 @@ class IngressState:
     async def poll_replicas(self) -> None:
         """Keep replica counts fresh without putting the controller on the request path.
 
-        Polls every second, and four times a second while a deployment is changing size
+        Polls every second after a change, backing off to every :data:`_STEADY_POLL_S` while
+        nothing changes, and four times a second while a deployment is changing size
         (replicas starting, or requests waiting at zero), when a fresh count decides where
         requests go.
         """
+        period = _STATUS_POLL_S
         while True:
+            changed = True
             try:
-                await self.poll_once()
+                changed = await self.poll_once()
             except Exception:  # the controller may be restarting; try again next tick
                 logger.warning("replica status poll failed", exc_info=True)
-            await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else _STATUS_POLL_S)
-
-
-def read_replica_states(app_name: str) -> dict[str, Any]:
-    """Replica states per deployment of ``app_name``, read from the controller's details.
-
-    ``serve.status()`` builds Serve's full pydantic schema from the same details, which
-    re-serializes every deployment's router class: measured at a third of the ingress's CPU
-    under load when polled twice a second. The plain dict has all Ember needs.
-    """
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client()
-    if client is None:
-        return {}
-    app = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
-    overviews: dict[str, Any] = {}
-    for name, details in (app.get("deployments") or {}).items():
-        states = Counter(_enum_text(r.get("state")) for r in details.get("replicas") or [])
-        overviews[name] = SimpleNamespace(replica_states=dict(states),
-                                          status=_enum_text(details.get("status", "UNKNOWN")),
-                                          message=str(details.get("message") or ""))
-    return overviews
-
-
-def _enum_text(value: Any) -> str:
-    # The details hold Serve's str-valued enums; str() of those is "ReplicaState.RUNNING".
-    return str(getattr(value, "value", value))
-
-
-def single_item(route: RouteSpec) -> tuple[Any, Any] | None:
-    """``(In, Out)`` when a batch route also takes one ``In`` as the whole body, else None.
-
-    A batch handler ``list[In] -> list[Out]`` answers a JSON array item for item, and a single
-    ``In`` with a single ``Out`` (one batch item), as Ray Serve's ``@serve.batch`` and
-    LitServe batch single requests. Not when ``In`` is itself an array type: an array body
-    would then be ambiguous.
-    """
-    if route.kind != "batch" or typing.get_origin(route.input_model) is not list:
-        return None
-    (item,) = typing.get_args(route.input_model) or (Any,)
-    if item is Any or typing.get_origin(item) in _ARRAY_ORIGINS or item in _ARRAY_ORIGINS:
-        return None
-    out_args = typing.get_args(route.output_model)
-    out = out_args[0] if typing.get_origin(route.output_model) is list and out_args else Any
-    return item, out
-
-
-_ARRAY_ORIGINS: tuple[Any, ...] = (list, tuple, set, frozenset, bytes, collections.abc.Sequence)
-
-
-def _response_model(route: RouteSpec) -> Any:
-    """The annotation if FastAPI can serialize it, else None (returned value sent as is)."""
-    annotation = route.output_model
-    single = single_item(route)
-    if single is not None and annotation is not None:
-        annotation = annotation | single[1] if single[1] is not Any else Any
-    if route.is_stream or annotation is None or annotation is inspect.Signature.empty:
-        return None
-    try:
-        TypeAdapter(annotation)
-    except Exception:  # arbitrary user types (tensors...) have no schema
-        return None
-    return annotation
-
-
-def _body_parameter(route: RouteSpec) -> inspect.Parameter | None:
-    if route.kind == "none":
-        return None
-    # Body() makes FastAPI read lists and scalars from the body rather than the query.
-    single = single_item(route)
-    model = route.input_model | single[0] if single is not None else route.input_model
-    annotation = Annotated[model, Body()] if route.kind in ("batch", "value") else model
-    return inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+            period = next_interval_s(period, changed=changed, fast_s=_STATUS_POLL_S,
+                                     slow_s=_STEADY_POLL_S)
+            await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else period)
 
 
 def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
@@ -343,7 +302,7 @@ def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
 
     params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
               inspect.Parameter("response", inspect.Parameter.KEYWORD_ONLY, annotation=Response)]
-    body_param = _body_parameter(route)
+    body_param = body_parameter(route)
     if body_param is not None:
         params.append(body_param)
     endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -384,7 +343,7 @@ def build_fastapi(state: IngressState) -> FastAPI:
     install_error_handlers(app, state.on_reject)
     for route in state.routes:
         app.add_api_route(route.path, _endpoint(route, state), methods=[route.http_method],
-                          response_model=_response_model(route), tags=[route.deployment])
+                          response_model=response_model(route), tags=[route.deployment])
     for protocol in state.protocols:
         protocol.install(app, state)
     _add_platform_routes(app, state)

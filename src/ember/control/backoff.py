@@ -1,0 +1,27 @@
+"""How soon a background poller looks again: often while what it watches changes, seldom
+while it stands still.
+
+Ember's processes poll what Ray offers no push for: the edges read the server's phase and
+the replica counts, the serving process counts its warm workers, the watchdog records the
+process tree. A fixed fast period costs CPU on every node all day for an app that is idle
+(``bench/idle_cpu.py`` measures it); a fixed slow one makes a change wait. Each poller
+starts fast, goes back to fast on any change it sees, and doubles its period while nothing
+changes, up to a cap that bounds how stale its view may grow.
+
+Example:
+    >>> next_interval_s(0.2, changed=False, fast_s=0.2, slow_s=1.0)
+    0.4
+    >>> next_interval_s(0.8, changed=False, fast_s=0.2, slow_s=1.0)
+    1.0
+    >>> next_interval_s(1.0, changed=True, fast_s=0.2, slow_s=1.0)
+    0.2
+"""
+
+from __future__ import annotations
+
+
+def next_interval_s(current_s: float, *, changed: bool, fast_s: float, slow_s: float) -> float:
+    """``fast_s`` after a change; else twice ``current_s``, between ``fast_s`` and ``slow_s``."""
+    if changed:
+        return fast_s
+    return min(slow_s, max(fast_s, 2.0 * current_s))
