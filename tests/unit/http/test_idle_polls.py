@@ -36,7 +36,7 @@ def test_the_phase_is_read_fast_while_starting_or_draining_and_slower_while_it_s
             raise _Stop
 
     monkeypatch.setattr(gate, "_sync", sync)
-    monkeypatch.setattr(drain.asyncio, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the watch loop's, not asyncio.run's
     with pytest.raises(_Stop):
         asyncio.run(gate.watch("app", "edge"))
     fast, steady = drain.WATCH_PERIOD_S, drain.STEADY_WATCH_PERIOD_S
