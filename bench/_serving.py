@@ -127,8 +127,9 @@ def fresh_process_replicas() -> Iterator[None]:
 
     original = runtime.to_ray_options
 
-    def fresh(options: Any, *, name: str) -> dict[str, Any]:
-        ray_options = original(options, name=name)
+    def fresh(options: Any, **kwargs: Any) -> dict[str, Any]:
+        # Every keyword passes through: the wrapper must not fall behind the one it wraps.
+        ray_options = original(options, **kwargs)
         ray_options["ray_actor_options"] = {**ray_options["ray_actor_options"],
                                             "runtime_env": FRESH_PROCESS_ENV}
         return ray_options

@@ -44,3 +44,16 @@ def test_shipped_options_rebuild_a_deployment() -> None:
             return super().__call__(texts)
 
     assert get_spec(Again).options.max_replicas == 2
+
+
+def test_fresh_process_replicas_wraps_the_options_builder_as_the_runtime_calls_it() -> None:
+    """The cold-start bench's fresh-process variant (d) once failed every trial: the runtime
+    had begun to pass ``placement``, which the bench's wrapper did not take."""
+    from ember.cluster import runtime
+
+    serving = bench_module("_serving")
+    options = get_spec(MiniLM).options.with_env_overrides()
+    with serving.fresh_process_replicas():
+        built = runtime.to_ray_options(options, name="MiniLM", placement={"resources": {}})
+    assert built["ray_actor_options"]["runtime_env"] == serving.FRESH_PROCESS_ENV
+    assert built["ray_actor_options"]["resources"] == {}
