@@ -12,6 +12,8 @@ import time
 
 import psutil
 
+from ember.cluster import watchdog
+
 from support import wait_for
 
 PARENT = textwrap.dedent("""
@@ -92,3 +94,22 @@ def test_reap_kills_the_tree_and_spares_the_parent() -> None:
         assert took_s < 4, f"reap took {took_s:.1f} s"
     finally:
         _cleanup(parent, tree)
+
+
+def test_a_record_says_whether_the_tree_changed() -> None:
+    """The record's period backs off only while this is False (``control/backoff``)."""
+    me = psutil.Process()
+    known: dict[int, psutil.Process] = {}
+    spare = {os.getpid()}
+    watchdog._record(me, known, spare)
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert watchdog._record(me, known, spare) is True  # a process was born
+        assert watchdog._record(me, known, spare) is False  # nothing new
+        child.kill()
+        child.wait(timeout=30)
+        assert watchdog._record(me, known, spare) is True  # it ended and was forgotten
+        assert watchdog._record(me, known, spare) is False
+    finally:
+        child.kill()
+        child.wait(timeout=30)

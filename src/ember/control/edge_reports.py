@@ -1,6 +1,7 @@
 """What every edge last reported: its metrics exposition and status, in Ray's key-value store.
 
-Each edge publishes once a second (``edge/_metrics.EdgeBoard`` builds on this to merge
+Each edge publishes once a second while its figures change, and an unchanged report every
+ten seconds (``edge/_metrics.EdgeBoard`` builds on this to merge
 scrapes); the control plane reads the same records to judge versions during a rollout
 (``rollout_driver``). The records live here, in the control room, so that the control
 plane reads them without importing the edge. An edge silent for ``STALE_S`` is dropped.

@@ -13,7 +13,8 @@ rollout goes on after ``ember run`` restarts: from the step it was at, held agai
 start (``policy.resume``).
 
 The driver judges versions on what callers met at the edges: every edge publishes its
-metrics to the key-value store once a second (``edge_reports.EdgeReports``), and the driver
+metrics to the key-value store once a second while they change
+(``edge_reports.EdgeReports``), and the driver
 adds up their ``ember_request_duration_seconds`` histograms per version. Only the driver
 writes a rollout once it has begun, so an edge and the driver never race on one record.
 """

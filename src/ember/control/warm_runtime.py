@@ -21,7 +21,8 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
   ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
   A worker that became a replica (or an edge, or a task) is gone from the idle set, so
-  :class:`Refiller` tops the node's idle workers back up every second.
+  :class:`Refiller` tops the node's idle workers back up (it counts them every second, less
+  often while the count stands still).
 
 Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
 it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
@@ -50,8 +51,9 @@ _REFILL_EVERY_S = 1.0
 #: reads every process's parent from /proc. A worker a cold start takes is seen within this;
 #: while workers are missing, the count runs at ``_REFILL_EVERY_S`` again.
 _STEADY_REFILL_EVERY_S = 4.0
-#: A used worker is replaced this long after it was taken: a new worker importing torch
-#: competes for the cores with the cold start that just took the old one.
+#: A used worker is replaced this long after it was taken (at the latest count that still
+#: saw it): a new worker importing torch competes for the cores with the cold start that
+#: just took the old one.
 _REFILL_AFTER_S = 3.0
 
 
@@ -192,15 +194,17 @@ class Refiller:
 
     def _run(self) -> None:
         short_since: float | None = None
-        period, last = _REFILL_EVERY_S, None
+        period, last, counted_at = _REFILL_EVERY_S, None, time.monotonic()
         while True:
             try:
                 missing = self.idle - idle_workers()
                 period = next_interval_s(period, changed=missing != last or missing > 0,
                                          fast_s=_REFILL_EVERY_S, slow_s=_STEADY_REFILL_EVERY_S)
-                last = missing
-                now = time.monotonic()
-                short_since = (short_since or now) if missing > 0 else None
+                now, last = time.monotonic(), missing
+                # A worker found missing may have been taken any time since the last count:
+                # the grace runs from then, so a backed-off count does not delay the refill.
+                short_since = (short_since or counted_at) if missing > 0 else None
+                counted_at = now
                 if short_since is not None and (now - short_since >= _REFILL_AFTER_S
                                                 or missing == self.idle):
                     prestart(missing)

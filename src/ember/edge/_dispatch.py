@@ -228,6 +228,7 @@ class Dispatcher:
         """
         if not (self.no_own_replica(name) if cold is None else cold):
             return None
+        self.tracker.wake_poll()  # its counts may be seconds old: starting, placed, failed
         return asyncio.ensure_future(self._fetch_timeline(name))
 
     async def _fetch_timeline(self, name: str) -> ReplicaTimeline | None:

@@ -94,9 +94,10 @@ class EdgeBoard(EdgeReports):
 
     The kernel spreads connections over the edges, so a scrape or a status call reaches one
     of them at random. Each edge publishes its exposition and its status to Ray's internal
-    key-value store about once a second. ``/metrics`` merges the fresh expositions, every
-    sample labelled with its ``edge``, as Prometheus labels per-instance series; ``/-/status``
-    adds up the edges' request counts. An edge silent for ``STALE_S`` is dropped.
+    key-value store once a second while they change. ``/metrics`` merges the fresh
+    expositions, every sample labelled with its ``edge``, as Prometheus labels per-instance
+    series; ``/-/status`` adds up the edges' request counts. An edge silent for ``STALE_S``
+    is dropped.
     """
 
     def render_all(self, own: bytes) -> bytes:

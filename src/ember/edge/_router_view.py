@@ -1,11 +1,11 @@
 """What a deployment handle's router knows right now, read without waiting on anything.
 
-The edge's replica counts come from Serve's controller, polled about once a second. The
+The edge's replica counts come from Serve's controller, polled every 1-3 s. The
 router inside each handle hears of every change at once (the controller pushes the set of
 running replicas to it), so it is the fresher source for the one decision that must not be
 stale: whether a request to a deployment would wait for a fresh replica. Right after a scale
-to zero, the poll still counts the last replica for up to a second, and a request sent in
-that second would wait seconds for a new replica while the warm pool could answer at once.
+to zero, the poll still counts the last replica for up to its period, and a request sent
+then would wait seconds for a new replica while the warm pool could answer at once.
 
 Serve exposes neither fact publicly; both readers return None when the internals they read
 are not there (a Ray upgrade moved them), and callers fall back to the polled counts.

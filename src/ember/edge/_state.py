@@ -8,9 +8,10 @@ in the background so that no request path waits on the controller.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,12 +91,27 @@ class LoadTracker:
         self.gpu_pool_expected = False
         #: Whether replica states have been read at least once; not ready before that.
         self.polled = False
+        #: Set when a request finds a deployment cold: the replica poll, which may be
+        #: backing off, reads the states at once (``ingress.IngressState.poll_replicas``).
+        self._poll_now = asyncio.Event()
+
+    def wake_poll(self) -> None:
+        """Have the replica poll read the states now rather than at its next period."""
+        self._poll_now.set()
+
+    async def next_poll(self, timeout_s: float) -> None:
+        """Wait ``timeout_s``, or less when :meth:`wake_poll` is called meanwhile."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._poll_now.wait(), timeout_s)
+        self._poll_now.clear()
 
     @contextmanager
     def track(self, deployment: str) -> Iterator[bool]:
         """Count one request in flight; yields whether it arrived to a cold deployment."""
         load = self.loads[deployment]
         cold = load.running == 0
+        if cold:
+            self.wake_poll()
         load.inflight += 1
         self._publish(load)
         try:

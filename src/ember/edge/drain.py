@@ -2,8 +2,9 @@
 
 The process that deployed the app (``ember run``) writes its phase under one key of Ray's
 internal KV store: ``starting`` until it is fully up (signal handlers in place, warm runtime
-ready), ``serving``, then ``draining`` once it was asked to stop. Each edge reads the phase a
-few times a second (:meth:`DrainGate.watch`):
+ready), ``serving``, then ``draining`` once it was asked to stop. Each edge reads the phase
+five times a second while it is not ``serving`` or just changed, and at least every
+:data:`STEADY_WATCH_PERIOD_S` while it stands (:meth:`DrainGate.watch`):
 
 - ``/readyz`` answers 200 only while the phase is ``serving`` (no key at all counts as
   serving: an app deployed without ``ember run`` has no process to wait for);

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -79,6 +80,16 @@ SMALL_BODY_LIMIT = 64 << 10
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
+@dataclass
+class _PollMemo:
+    """What the replica poll last saw and last published, to tell a change from none."""
+
+    states: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    checked_at: float = -_PUBLISH_EVERY_S
+    report: tuple[bytes, str] | None = None
+    written_at: float = 0.0
+
+
 class IngressState:
     """Everything the ingress app needs, built once per ingress replica."""
 
@@ -104,10 +115,7 @@ class IngressState:
         self.metrics = Metrics()
         #: Set by the edge that serves this state: the other edges' metrics and status.
         self.board: EdgeBoard | None = None
-        self._published_at = -_PUBLISH_EVERY_S
-        self._published: tuple[bytes, str] | None = None
-        self._republished_at = 0.0
-        self._seen_states: dict[str, tuple[Any, ...]] = {}
+        self._memo = _PollMemo()
         self.tracker = LoadTracker(options, self.metrics)
         #: The serving process's phase as this ingress last read it (see ``drain.py``).
         self.gate = DrainGate()
@@ -186,35 +194,42 @@ class IngressState:
         overviews = await asyncio.to_thread(read_replica_states, self.app_name)
         states = {name: (sorted(o.replica_states.items()), o.status, o.message)
                   for name, o in overviews.items()}
-        changed, self._seen_states = states != self._seen_states, states
+        changed, self._memo.states = states != self._memo.states, states
         for name, overview in overviews.items():
             self.tracker.update_replicas(name, overview)
         await self._check_placement()
         self.tracker.polled = True
-        # Once a second is enough for a scrape and for the pool's failed preloads (they change
+        # At most once a second for a scrape and for the pool's failed preloads (they change
         # only when a pool replica starts); fast polls (0.25 s) need not repeat them.
         now = time.monotonic()
-        if now - self._published_at < _PUBLISH_EVERY_S:
+        if now - self._memo.checked_at < _PUBLISH_EVERY_S:
             return changed
-        self._published_at = now
+        self._memo.checked_at = now
         await self.versions.refresh()
         if self.tracker.pool_expected or self.tracker.gpu_pool_expected:
             failures = await asyncio.to_thread(pool.read_failures, self.app_name)
             self.tracker.update_pool_failures(failures)
-        await self._publish(now)
-        return changed
+        # A report written counts as a change: an edge under traffic keeps publishing (and
+        # polling) every second for the rollouts, scrapes and status that read the reports.
+        return await self._publish(now) or changed
 
-    async def _publish(self, now: float) -> None:
+    async def _publish(self, now: float) -> bool:
         """This edge's metrics and status for the other edges, when they changed (or are
-        about to go stale): an idle edge does not rewrite the same report every second."""
+        about to go stale): an idle edge does not rewrite the same report every second.
+
+        Returns:
+            Whether a changed report was written.
+        """
         if self.board is None:
-            return
+            return False
         status = self.status()
         report = (self.metrics.render(), json.dumps(status, sort_keys=True, default=str))
-        if report == self._published and now - self._republished_at < _REPUBLISH_S:
-            return
+        if report == self._memo.report and now - self._memo.written_at < _REPUBLISH_S:
+            return False
         await asyncio.to_thread(self.board.publish, report[0], status)
-        self._published, self._republished_at = report, now
+        changed = report != self._memo.report
+        self._memo.report, self._memo.written_at = report, now
+        return changed
 
     async def _check_placement(self) -> None:
         """Say why a starting replica waits, when Ray has no node with room for it."""
@@ -251,7 +266,7 @@ class IngressState:
         Polls every second after a change, backing off to every :data:`_STEADY_POLL_S` while
         nothing changes, and four times a second while a deployment is changing size
         (replicas starting, or requests waiting at zero), when a fresh count decides where
-        requests go.
+        requests go. A request that finds a deployment cold cuts the wait short.
         """
         period = _STATUS_POLL_S
         while True:
@@ -262,7 +277,7 @@ class IngressState:
                 logger.warning("replica status poll failed", exc_info=True)
             period = next_interval_s(period, changed=changed, fast_s=_STATUS_POLL_S,
                                      slow_s=_STEADY_POLL_S)
-            await asyncio.sleep(_FAST_POLL_S if self.tracker.changing() else period)
+            await self.tracker.next_poll(_FAST_POLL_S if self.tracker.changing() else period)
 
 
 def _endpoint(route: RouteSpec, state: IngressState) -> Callable[..., Any]:
