@@ -142,3 +142,39 @@ def test_the_textgen_app_preloads_the_transformers_backend_only_when_it_serves_o
              "print(json.dumps(app_modules(app)))")
     modules = _run_json(probe, {**env, **served})
     assert modules == sorted(["ember.deployments.textgen", *preloaded]), modules
+
+
+class _Clock:
+    """Time that moves only when the refiller waits (its ``_stop.wait``)."""
+
+    def __init__(self, waits: int) -> None:
+        self.now, self.waits = 0.0, waits
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.now += seconds
+        self.waits -= 1
+        return self.waits == 0  # True: stop
+
+
+def test_a_worker_taken_while_the_count_backs_off_is_refilled_no_later_than_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grace before a refill runs from the last count that still saw the worker, so a
+    count backed off to 4 s does not add its period to the refill."""
+    from types import SimpleNamespace
+
+    from ember.control import warm_runtime
+
+    counts = iter([2, 2, 2, 2, 1, 2, 2])  # one worker taken between t=7 s and t=11 s
+    clock, prestarted = _Clock(waits=7), []
+    monkeypatch.setattr(warm_runtime, "idle_workers", lambda: next(counts))
+    monkeypatch.setattr(warm_runtime, "prestart", lambda n: prestarted.append((n, clock.now)))
+    monkeypatch.setattr(warm_runtime, "time", SimpleNamespace(monotonic=clock.monotonic))
+    refiller = warm_runtime.Refiller(idle=2)
+    monkeypatch.setattr(refiller, "_stop", SimpleNamespace(wait=clock.wait))
+    refiller._run()
+    # Counted at 0, 1, 3, 7 (backing off), then 11: missing since at most t=7, so the 3 s
+    # grace is over and the worker is started at once, not at t=14.
+    assert prestarted == [(1, 11.0)]
