@@ -11,23 +11,45 @@ from typing import Any
 
 import pytest
 
-from ember.control.warm_runtime import system_config
+from ember.control.warm_env import modules_to_import
+from ember.control.warm_runtime import preload_modules, system_config, worker_env
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def test_every_worker_preloads_torch_serves_replica_and_the_apps_modules_once() -> None:
-    config = system_config(["apps.core", "__main__", "torch", "apps.core"])
-    assert config == {"preload_python_modules": [
+    assert system_config() == {"preload_python_modules": ["ember.control.warm_imports"]}
+    env = worker_env(["apps.core", "__main__", "torch", "apps.core"])
+    assert modules_to_import(env) == [
         "torch", "ember.control.torch_warm", "ray.serve._private.replica",
         "ember.control.replica", "apps.core", "ember.control.s3_warm",
-        "ember.control.settle_heap"]}
+        "ember.control.settle_heap"]
+    assert modules_to_import({**env, "EMBER_LIGHT_WORKER": "1"}) == []
+
+
+_GATE = """
+import json, sys
+import ember.control.warm_imports as gate
+print(json.dumps({"imported": gate.IMPORTED, "colorsys": "colorsys" in sys.modules,
+                  "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize(("light", "expected"), [
+    ("", {"imported": ["colorsys", "wave"], "colorsys": True, "torch": False}),
+    ("1", {"imported": [], "colorsys": False, "torch": False}),
+])
+def test_the_preloaded_gate_imports_the_list_unless_the_worker_is_light(
+        light: str, expected: dict[str, Any]) -> None:
+    """A module that fails to import is skipped, as in Ray's own preload."""
+    env = {**os.environ, "EMBER_WARM_IMPORTS": "colorsys,no_such_module_here,wave",
+           "EMBER_LIGHT_WORKER": light}
+    assert _run_json(_GATE, env) == expected
 
 
 def test_the_heap_is_frozen_after_every_other_preload_even_if_an_app_names_it() -> None:
-    modules = system_config(["ember.control.settle_heap", "ember.control.s3_warm", "apps.core"])
-    assert modules["preload_python_modules"][-3:] == [
-        "apps.core", "ember.control.s3_warm", "ember.control.settle_heap"]
+    modules = preload_modules(["ember.control.settle_heap", "ember.control.s3_warm", "apps.core"])
+    assert modules[-3:] == ["apps.core", "ember.control.s3_warm", "ember.control.settle_heap"]
 
 
 _PROBE = """
@@ -76,8 +98,7 @@ def test_an_app_names_modules_its_setup_imports_and_the_workers_preload_them() -
 
     app = App([Ping], preload_modules=("transformers.modeling_utils",))
     assert app_modules(app) == [Ping.__module__, "transformers.modeling_utils"]
-    assert "transformers.modeling_utils" in system_config(app_modules(app))[
-        "preload_python_modules"]
+    assert "transformers.modeling_utils" in preload_modules(app_modules(app))
 
 
 @pytest.mark.parametrize("names", ["peft", ["peft", "torch,numpy"], ["../x"], [3]])

@@ -32,6 +32,7 @@ from ember.control.listeners import (
 )
 from ember.control.pool import GPU_POOL_DEPLOYMENT, POOL_DEPLOYMENT, EmberPool
 from ember.control.replica import replica_class
+from ember.control.warm_env import WARM_IMPORTS_ENV, light_runtime_env
 from ember.edge.auth import ApiKeys, check_exposure
 from ember.edge.drain import STEADY_WATCH_PERIOD_S
 from ember.edge.edge import (
@@ -119,7 +120,7 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
         max_replicas_per_node=per_node,
         # Nothing calls an edge through Serve; its requests arrive on its own socket.
         max_ongoing_requests=1,
-        ray_actor_options={"num_cpus": EDGE_NUM_CPUS},
+        ray_actor_options=_light({"num_cpus": EDGE_NUM_CPUS}),
         logging_config=serve_logging(),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=DRAIN_S + 5,
@@ -142,6 +143,12 @@ def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = 
     # Refuse here too, before anything is deployed: the edges would refuse to start.
     check_exposure(host, state_args["keys"])
     return edge.bind(host, default_port() if port is None else port, state_args)
+
+
+def _light(actor_options: dict[str, Any]) -> dict[str, Any]:
+    """``actor_options`` for a process that needs none of the warm runtime's imports."""
+    runtime_env = light_runtime_env()
+    return {**actor_options, "runtime_env": runtime_env} if runtime_env else actor_options
 
 
 def snapshot_placements(app: App) -> dict[str, dict[str, Any]]:
@@ -222,6 +229,11 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
         use_loopback_node_ip()
     runtime_env = {"working_dir": user_paths[0]} if address and user_paths else None
     warm = address is None and (settings.load().warm_runtime > 0 if warm is None else warm)
+    # Every worker of the cluster inherits it: what the preloaded gate imports (none of it
+    # where Ember joins a cluster or the warm runtime is off).
+    os.environ.pop(WARM_IMPORTS_ENV, None)
+    if warm and ray_internals.available("system_config"):
+        os.environ.update(warm_runtime.worker_env(preload or []))
     dashboard_port = dashboard_port if address is None else 0
     # SIGTERM and SIGINT stay with this process's handlers (a drain), not Ray's.
     with lifecycle.ray_init_keeps_handlers():
@@ -240,7 +252,7 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
             # A local cluster is reachable from this machine only (see control/listeners.py).
             **ray_internals.init_kwargs(
                 node_ip=None if address else LOOPBACK,
-                system_config=warm_runtime.system_config(preload or []) if warm else None),
+                system_config=warm_runtime.system_config() if warm else None),
         )
     if address is None:
         try:
@@ -288,18 +300,22 @@ def serve_app(app: App, *, host: str = DEFAULT_HOST, port: int | None = None,
     # Before anything of the app starts: every process reads it once.
     store.announce(app.name, state_dir if started_here else None)
     lifecycle.set_phase(app.name, lifecycle.STARTING)
-    # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py).
+    if started_here and _refiller is None:
+        # Started now, the idle workers import torch while Serve starts and the edges (light
+        # workers, which take none of them) start. The app's first replicas (pool, floors)
+        # take some as they start; the refiller tops them up.
+        _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
+        _refiller.start()
+    # Ember's edges take the place of Serve's HTTP proxy (see edge/edge.py). Serve's
+    # controller is not a light worker: the replicas it creates inherit its runtime
+    # environment, and one of their own would keep them from the idle workers.
     serve.start(proxy_location="Disabled")
     serve.run(build_application(app, host=host, port=port), name=app.name, route_prefix=None,
               blocking=False)
-    if started_here and _refiller is None:
-        # The app's first replicas (edges, pool, floors) take idle workers as they start;
-        # only the workers left after them, or started to replace them, are the warm runtime.
+    if started_here and _refiller is not None:
         _wait_deployed(app.name, _WARM_RUNTIME_WAIT_S, stop)
-        if stop.is_set():  # asked to stop while deploying: no warm runtime to start
+        if stop.is_set():  # asked to stop while deploying
             return f"http://{host}:{port}"
-        _refiller = warm_runtime.Refiller(settings.load().warm_runtime)
-        _refiller.start()
         if not _wait_warm(_refiller, _WARM_RUNTIME_WAIT_S, stop) and not stop.is_set():
             logger.warning("the warm runtime's workers are not up yet; the first cold starts "
                            "may start fresh processes")

@@ -37,6 +37,7 @@ from ember.control.edge_reports import EdgeReports
 from ember.control.rollout import Counts, Rollout, RolloutSpec, Tally
 from ember.control.store import open_store
 from ember.control.traffic import TrafficStore
+from ember.control.warm_env import light_runtime_env
 
 logger = logging.getLogger("ember.rollout")
 
@@ -242,9 +243,11 @@ def driver(app: str) -> Any:
     """The app's rollout driver, started if it is not running (blocking: Ray's GCS)."""
     import ray
 
+    light = light_runtime_env()  # it needs none of the warm runtime's imports
     actor = ray.remote(RolloutDriver).options(
         name=f"ember-rollout:{app}", namespace=_NAMESPACE, lifetime="detached",
-        get_if_exists=True, max_restarts=-1, num_cpus=0)
+        get_if_exists=True, max_restarts=-1, num_cpus=0,
+        **({"runtime_env": light} if light else {}))
     return actor.remote(app)
 
 

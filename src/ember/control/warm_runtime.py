@@ -15,8 +15,10 @@ actor's creation; ``start`` and ``import`` are zero).
 Two Ray mechanisms, both set when Ember starts the local cluster:
 
 * ``preload_python_modules`` (a raylet setting): every Python worker the raylet starts
-  imports these modules before it accepts work. Every worker pays it, the edges and Serve's
-  controller included (``bench/coldstart.py`` records an idle worker's resident memory).
+  imports these modules before it accepts work. The raylet preloads one gate module,
+  ``control/warm_imports.py``, which imports the list unless the worker is a light one:
+  the edges and the rollout driver need none of it (``control/warm_env.py``).
+  ``bench/coldstart.py`` records an idle worker's resident memory.
 * The raylet's ``PrestartWorkers`` call starts idle workers ahead of need, kept alive for
   ``keep_alive_s``. Ray gives a new actor an idle worker of its job whose runtime
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
@@ -41,6 +43,7 @@ from typing import Any
 
 from ember import ray_internals
 from ember.control.backoff import next_interval_s
+from ember.control.warm_env import WARM_IMPORTS_ENV
 
 logger = logging.getLogger("ember.warm_runtime")
 
@@ -74,9 +77,19 @@ def preload_modules(modules: Iterable[str]) -> list[str]:
     return [*ordered, *_AFTER_APP]
 
 
-def system_config(modules: Iterable[str]) -> dict[str, Any]:
-    """The raylet settings of a local cluster whose workers preload ``modules``."""
-    return {"preload_python_modules": preload_modules(modules)}
+#: The one module the raylet preloads: it imports :func:`preload_modules` unless the worker
+#: is a light one (the edges; see ``control/warm_env.py``).
+GATE_MODULE = "ember.control.warm_imports"
+
+
+def system_config() -> dict[str, Any]:
+    """The raylet settings of a local cluster with the warm runtime."""
+    return {"preload_python_modules": [GATE_MODULE]}
+
+
+def worker_env(modules: Iterable[str]) -> dict[str, str]:
+    """The environment, inherited by every worker, that names what the gate imports."""
+    return {WARM_IMPORTS_ENV: ",".join(preload_modules(modules))}
 
 
 def prestart(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel
 
 import ember
 from ember import loaders, settings
+
+# In a torch-free module: the edges unpickle the routes' models, and so import it.
+from ember.deployments._embedding import Embedding as Embedding
 from ember.deployments._minilm import (
     MiniLMConfig,
     MiniLMEncoder,
@@ -40,13 +42,6 @@ MODEL_NAME = "all-MiniLM-L6-v2"
 #: Part of the snapshot key: a new encoder implementation never restores an old snapshot.
 CODE_VERSION = f"minilm-encoder-1/ember-{ember.__version__}"
 DIMENSIONS = 384
-
-
-class Embedding(BaseModel):
-    """One text's unit-norm embedding and the tokens the model read for it."""
-
-    embedding: list[float]
-    tokens: int
 
 
 def weights_url() -> str:
