@@ -72,8 +72,9 @@ def test_serve_reads_each_switch_in_the_replica_and_the_bind_is_narrowed(
     assert report["bind_wrapped"] is True
     controller = next(p for p in psutil.Process().children(recursive=True)
                       if p.name() == "ray::ServeController")
-    assert controller.environ()["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == os.environ[
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]
+    # Serve's control loop runs at Ray's own period unless the operator set one.
+    loop = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+    assert controller.environ().get(loop) == os.environ.get(loop)
 
 
 def test_the_raylet_prestarts_idle_workers_on_request(ray_cluster: None) -> None:

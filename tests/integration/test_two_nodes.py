@@ -27,7 +27,7 @@ import pytest
 import ember
 from ember.cli import main
 from ember.cli.cache_nodes import Node, collect, submit
-from ember.cluster.runtime import COLD_START_SETTINGS, THROUGHPUT_SETTINGS
+from ember.cluster.runtime import THROUGHPUT_SETTINGS
 from ember.control.listeners import LOCAL_CLUSTER_ENV, LOOPBACK, use_loopback_node_ip
 from ember.edge.edge import EDGE_DEPLOYMENT
 from ember.loaders import LoaderConfig, list_snapshots
@@ -97,8 +97,7 @@ def cluster(stores: Stores) -> Iterator[Any]:
         # nodes, and Ray Serve runs with the settings Ember gives the clusters it starts.
         paths = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
         patch.setenv("PYTHONPATH", os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
-        for name, value in {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS,
-                            **LOCAL_CLUSTER_ENV}.items():
+        for name, value in {**THROUGHPUT_SETTINGS, **LOCAL_CLUSTER_ENV}.items():
             patch.setenv(name, value)
         # Both nodes and this driver advertise loopback, as a local cluster does (and as
         # separate machines would advertise their own addresses).

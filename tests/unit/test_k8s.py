@@ -161,7 +161,8 @@ def test_settings_travel_and_keys_come_from_a_secret() -> None:
         "name": "tests-ember-keys", "key": "EMBER_API_KEYS", "optional": False}
     assert "sk-live-secret" not in json.dumps(manifest) and "adm-secret" not in json.dumps(manifest)
     assert "EMBER_URL" not in env and "HOME" not in env
-    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]["value"] == "0.05"
+    assert env["RAY_SERVE_USE_GRPC_BY_DEFAULT"]["value"] == "1"
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in env  # Ray's own 0.1 s
 
 
 def test_a_malformed_setting_is_refused_before_any_manifest() -> None:

@@ -42,12 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from ember import settings
 from ember.app.app import App
 from ember.cluster.build import IMPORT_PATH
-from ember.cluster.runtime import (
-    COLD_START_SETTINGS,
-    EDGE_NUM_CPUS,
-    POOL_NUM_CPUS,
-    THROUGHPUT_SETTINGS,
-)
+from ember.cluster.runtime import EDGE_NUM_CPUS, POOL_NUM_CPUS, THROUGHPUT_SETTINGS
 from ember.edge.edge import DRAIN_S
 from ember.errors import ConfigError
 
@@ -207,8 +202,7 @@ def container_env(environ: Mapping[str, str], *, port: int,
         if not skip and environ.get(name):
             env.append({"name": name, "value": environ[name]})
     env += secret_env(secret)
-    ray_env = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS}
-    env += [{"name": k, "value": v} for k, v in sorted(ray_env.items())]
+    env += [{"name": k, "value": v} for k, v in sorted(THROUGHPUT_SETTINGS.items())]
     return env
 
 

@@ -73,13 +73,10 @@ THROUGHPUT_SETTINGS = {
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
 }
 
-#: Serve's controller settings for the clusters Ember starts, for the own replica's cold start.
-#: The controller walks a new replica through start -> allocated -> initialized -> running
-#: one control-loop tick per step, plus one tick from the scale-up decision to the start:
-#: four ticks of Serve's default 0.1 s sleep were 0.2-0.4 s of a 0.9 s own-replica cold start
-#: on the flagship. At 0.05 s the idle controller costs 12% of one core instead of 8%
-#: (measured with the flagship app on 2 cores). Values already in the environment win.
-COLD_START_SETTINGS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.05"}
+# Serve's control loop keeps Ray's 0.1 s. Ember once set 0.05 s for the own replica's cold
+# start (the controller walks a new replica through its states one tick per step): later
+# same-session runs of bench/coldstart.py measured no gain from it, and it cost the idle
+# controller about 2% of a core. An operator's RAY_SERVE_CONTROL_LOOP_INTERVAL_S still wins.
 
 #: Environment of a Ray worker that calls deployment handles from sync code.
 SYNC_HANDLE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
@@ -266,7 +263,7 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
 
 def _set_local_cluster_env() -> None:
     """The environment local workers and Serve's controller inherit; set values win."""
-    serve_switches = {**THROUGHPUT_SETTINGS, **COLD_START_SETTINGS}
+    serve_switches = dict(THROUGHPUT_SETTINGS)
     if not ray_internals.available("serve_env_switches"):
         # Only the switches Serve still reads: one it ignores is a no-op, not a risk.
         unread = ray_internals.unread_serve_env_switches()
