@@ -196,16 +196,23 @@ IDLE_KINDS = (("serve controller", "Serve controller"), ("edges / proxy", "edges
 
 
 def idle_cpu(doc: dict[str, Any]) -> Cells:
-    """``bench/idle_cpu.py``: idle CPU in % of a core, in total and by process kind (medians
-    over rounds), and Ember / stock."""
+    """``bench/idle_cpu.py``: idle CPU in % of a core and idle memory (PSS), in total and by
+    process kind, and the start to the first answer (medians over rounds), and Ember / stock."""
     cells: Cells = {}
     for key, row in IDLE_ROWS.items():
-        cells[row, "idle CPU"] = _spread(doc["summary"][key]["idle_cpu_pct"], ".1f", " %")
+        summary = doc["summary"][key]
+        cells[row, "idle CPU"] = _spread(summary["idle_cpu_pct"], ".1f", " %")
+        cells[row, "idle memory (PSS)"] = _spread(summary["pss_mb"], ".0f", " MB")
+        cells[row, "start to first answer"] = _spread(summary["answering_s"], ".1f", " s")
         rounds = [r for r in doc["rounds"] if r["contender"] == key]
         for kind, column in IDLE_KINDS:
             value = statistics.median(r["by_kind_pct"].get(kind, 0.0) for r in rounds)
             cells[row, column] = f"{value:.1f} %"
-    cells["Ember / stock", "idle CPU"] = f"{doc['ratio']['ember/stock idle_cpu_pct']['value']:.2f}x"
+            mb = statistics.median(r["pss_mb_by_kind"].get(kind, 0.0) for r in rounds)
+            cells[row, f"{column} memory"] = f"{mb:.0f} MB"
+    for figure, column in (("idle_cpu_pct", "idle CPU"), ("pss_mb", "idle memory (PSS)"),
+                           ("answering_s", "start to first answer")):
+        cells["Ember / stock", column] = f"{doc['ratio'][f'ember/stock {figure}']['value']:.2f}x"
     return cells
 
 
