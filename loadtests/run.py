@@ -63,8 +63,8 @@ class Scenario:
 
 #: The own-replica cold start: no warm pool, so the deployment's own replica serves the burst,
 #: from a pre-started worker (the warm runtime). Its budget, 3 s for the slowest cold request
-#: under load, sits under the fresh-process figure in README (4.6 s for the flagship on 2
-#: cores) and well above the idle figure (0.53 s), for a shared CI machine.
+#: under load, sits under the fresh-process figure in README (4.6-6.2 s for the flagship on 2
+#: cores) and well above the idle figure (0.5-1.0 s), for a shared CI machine.
 NO_POOL = (("EMBER_WARM_POOL", "0"),)
 OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-ms", "3000")
 
