@@ -41,7 +41,7 @@ def _holds_torch(process: psutil.Process) -> bool:
 
 
 def _is_light(process: psutil.Process) -> bool:
-    return b"EMBER_LIGHT_WORKER=1" in Path(f"/proc/{process.pid}/environ").read_bytes()
+    return b"_EMBER_LIGHT_WORKER=1" in Path(f"/proc/{process.pid}/environ").read_bytes()
 
 
 def _only_replica_workers_hold_torch(run: EmberRun) -> None:

@@ -33,6 +33,18 @@ def test_nothing_else_reads_ember_variables_from_the_environment() -> None:
     assert readers == []
 
 
+def test_private_variables_stay_in_the_warm_runtime_s_channel() -> None:
+    """``_EMBER_*``: from the process that starts the cluster to its workers, not settings."""
+    private: dict[str, set[str]] = {}
+    for path in (ROOT / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"_EMBER_[A-Z_]+", node.value):
+                private.setdefault(node.value, set()).add(path.relative_to(ROOT).as_posix())
+    assert private == {"_EMBER_WARM_IMPORTS": {"src/ember/control/warm_env.py"},
+                       "_EMBER_LIGHT_WORKER": {"src/ember/control/warm_env.py"}}
+
+
 def test_values_are_typed_and_empty_means_unset() -> None:
     config = settings.load({"EMBER_PORT": "9001", "EMBER_ACCESS_LOG": "true",
                             "EMBER_SCALEDOWN_AFTER_S": "2.5", "EMBER_WARM_POOL": "",

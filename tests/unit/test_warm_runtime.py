@@ -24,7 +24,7 @@ def test_every_worker_preloads_torch_serves_replica_and_the_apps_modules_once() 
         "torch", "ember.control.torch_warm", "ray.serve._private.replica",
         "ember.control.replica", "apps.core", "ember.control.s3_warm",
         "ember.control.settle_heap"]
-    assert modules_to_import({**env, "EMBER_LIGHT_WORKER": "1"}) == []
+    assert modules_to_import({**env, "_EMBER_LIGHT_WORKER": "1"}) == []
 
 
 _GATE = """
@@ -42,8 +42,8 @@ print(json.dumps({"imported": gate.IMPORTED, "colorsys": "colorsys" in sys.modul
 def test_the_preloaded_gate_imports_the_list_unless_the_worker_is_light(
         light: str, expected: dict[str, Any]) -> None:
     """A module that fails to import is skipped, as in Ray's own preload."""
-    env = {**os.environ, "EMBER_WARM_IMPORTS": "colorsys,no_such_module_here,wave",
-           "EMBER_LIGHT_WORKER": light}
+    env = {**os.environ, "_EMBER_WARM_IMPORTS": "colorsys,no_such_module_here,wave",
+           "_EMBER_LIGHT_WORKER": light}
     assert _run_json(_GATE, env) == expected
 
 

@@ -24,19 +24,23 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+# Both variables are a private channel from the process that starts the cluster to its
+# workers, not settings an operator sets (``settings.py`` owns every ``EMBER_*``): hence the
+# leading underscore.
+
 #: The modules a worker imports, comma-separated (as in Ray's own preload list).
-WARM_IMPORTS_ENV = "EMBER_WARM_IMPORTS"
+WARM_IMPORTS_ENV = "_EMBER_WARM_IMPORTS"
 #: Set to 1 in a worker that must import none of them.
-LIGHT_WORKER_ENV = "EMBER_LIGHT_WORKER"
+LIGHT_WORKER_ENV = "_EMBER_LIGHT_WORKER"
 
 
 def modules_to_import(environ: Mapping[str, str]) -> list[str]:
     """What a worker with ``environ`` imports.
 
     Example:
-        >>> modules_to_import({"EMBER_WARM_IMPORTS": "torch,apps.core"})
+        >>> modules_to_import({"_EMBER_WARM_IMPORTS": "torch,apps.core"})
         ['torch', 'apps.core']
-        >>> modules_to_import({"EMBER_WARM_IMPORTS": "torch", "EMBER_LIGHT_WORKER": "1"})
+        >>> modules_to_import({"_EMBER_WARM_IMPORTS": "torch", "_EMBER_LIGHT_WORKER": "1"})
         []
     """
     if environ.get(LIGHT_WORKER_ENV) == "1":
@@ -52,8 +56,8 @@ def light_runtime_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]
     actor's own would only keep it from idle workers.
 
     Example:
-        >>> light_runtime_env({"EMBER_WARM_IMPORTS": "torch"})
-        {'env_vars': {'EMBER_LIGHT_WORKER': '1'}}
+        >>> light_runtime_env({"_EMBER_WARM_IMPORTS": "torch"})
+        {'env_vars': {'_EMBER_LIGHT_WORKER': '1'}}
         >>> light_runtime_env({}) is None
         True
     """
