@@ -3,7 +3,7 @@
 Ray's ``preload_python_modules`` is one list for every worker the raylet starts. The warm
 runtime wants torch, Serve's replica code and the app's modules in the workers that become
 replicas; Ember's edges and its rollout driver use none of them, and paid for them anyway:
-seconds of a core each at start and about 200 MB each for as long as they run.
+seconds of a core each at start, and torch's memory for as long as they run.
 
 So the raylet preloads one gate module (``control/warm_imports.py``), and the gate imports
 the list ``WARM_IMPORTS_ENV`` names (set where the cluster starts, inherited by every

@@ -2,7 +2,7 @@
 
 The edges validate answers with the routes' models, so unpickling a route imports the
 module that defines its models; defined beside the encoder, they made every edge import
-torch (about two seconds of a core and 200 MB each), which the edges otherwise never need.
+torch (its import time and its memory in each), which the edges otherwise never need.
 """
 
 from __future__ import annotations
