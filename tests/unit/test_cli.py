@@ -102,3 +102,23 @@ def test_status_names_each_version_with_its_share_of_the_traffic() -> None:
         {**row, "deployment": "Embed@2", "group": "Embed", "version": "2", "weight": 10},
         {**row, "deployment": "Other", "group": "Other", "version": "1", "weight": 100}]})
     assert "Embed@2 (v2, 10%)" in text and "Other (" not in text
+
+
+def test_http_only_commands_load_neither_torch_nor_ray_serve() -> None:
+    # In a fresh interpreter: this test process has imported both already. `ember status`
+    # against a closed port runs the whole command (parse, call, error) without a server.
+    import subprocess
+    import sys
+
+    from support import free_port
+
+    script = (
+        "import sys\n"
+        "from ember.cli import main\n"
+        f"code = main(['status', '--url', 'http://127.0.0.1:{free_port()}'])\n"
+        "heavy = [m for m in ('torch', 'ray.serve', 'transformers') if m in sys.modules]\n"
+        "print(code, heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr

@@ -12,11 +12,13 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.cli.cache_fill import fill
 from ember.errors import EmberError, UnsafePath
-from ember.loaders import CacheEntry, LoaderConfig, NodeTier
+
+if TYPE_CHECKING:
+    from ember.loaders import CacheEntry, LoaderConfig, NodeTier
 
 _KEY = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -82,7 +84,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench.set_defaults(func=cmd_bench)
 
 
+# ember.loaders brings torch (a second of CPU): imported by the commands that load, so that
+# `ember --help` and the HTTP-only commands answer at once (tests/unit/test_cli.py).
+def _node(args: argparse.Namespace) -> NodeTier:
+    from ember.loaders import NodeTier
+
+    return NodeTier(_config(args))
+
+
 def _config(args: argparse.Namespace, **extra: Any) -> LoaderConfig:
+    from ember.loaders import LoaderConfig
+
     return LoaderConfig(cache_dir=args.cache_dir, **extra)
 
 
@@ -140,7 +152,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """Print one line per cached blob: key, bytes, last use, namespace, names."""
 
     def run(a: argparse.Namespace) -> int:
-        entries = sorted(NodeTier(_config(a)).entries(), key=lambda e: -e.last_used_s)
+        entries = sorted(_node(a).entries(), key=lambda e: -e.last_used_s)
         for entry in entries:
             print(_row(entry))
         print(f"{len(entries)} blobs, {sum(e.size for e in entries)} bytes")
@@ -153,7 +165,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every blob; remove the ones that do not match (exit 1 if any)."""
 
     def run(a: argparse.Namespace) -> int:
-        node = NodeTier(_config(a))
+        node = _node(a)
         bad = 0
         for entry in node.entries():
             blob = node.root / entry.namespace / "blobs" / entry.sha256
@@ -175,7 +187,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     """Remove every blob (``--all``) or the one whose sha256 starts with ``KEY``."""
 
     def run(a: argparse.Namespace) -> int:
-        node = NodeTier(_config(a))
+        node = _node(a)
         entries = node.entries()
         if not a.all:
             if not _KEY.match(a.key or ""):

@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.loaders import LoaderConfig, preload_snapshot, resolve
-
 
 @dataclass(frozen=True)
 class Filled:
@@ -49,6 +47,8 @@ def fill(
     """
     started = time.monotonic()
     extra = {"regional_cache": regional} if regional else {}
+    from ember.loaders import LoaderConfig, preload_snapshot, resolve  # torch: see cache.py
+
     weights = resolve(url, config=LoaderConfig(cache_dir=cache_dir, **extra), progress=progress)
     key = None
     if snapshot is not None:

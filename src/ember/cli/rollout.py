@@ -12,7 +12,7 @@ from typing import Any
 
 from ember import settings
 from ember.cli.serve import _admin_json
-from ember.cluster.runtime import DEFAULT_HOST, default_port
+from ember.cluster.defaults import DEFAULT_HOST, default_port
 from ember.control.floors import parse_duration
 
 

@@ -18,7 +18,7 @@ import httpx
 from ember import settings
 from ember.cli._run import admin_key_path, cmd_run, ray_access_lines
 from ember.cluster import capacity
-from ember.cluster.runtime import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
+from ember.cluster.defaults import DEFAULT_HOST, EDGE_NUM_CPUS, default_port
 from ember.errors import ConfigError
 
 

@@ -12,17 +12,13 @@ import json
 import sys
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ember.cli.cache import add_cache_dir_option
 from ember.errors import EmberError
-from ember.loaders import (
-    LoaderConfig,
-    SnapshotInfo,
-    drop_all,
-    drop_snapshot,
-    list_snapshots,
-    max_snapshot_bytes_from_env,
-)
+
+if TYPE_CHECKING:
+    from ember.loaders import LoaderConfig, SnapshotInfo
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -53,6 +49,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _config(args: argparse.Namespace) -> LoaderConfig:
+    from ember.loaders import LoaderConfig  # torch: see cache.py
+
     return LoaderConfig(cache_dir=args.cache_dir)
 
 
@@ -94,6 +92,8 @@ def _total(values: Iterable[int | None]) -> int | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Print every snapshot (a table with a total line, or ``--json``); exit 0."""
+    from ember.loaders import list_snapshots, max_snapshot_bytes_from_env  # torch: see cache.py
+
     try:
         cap = max_snapshot_bytes_from_env()
         infos = list_snapshots(_config(args))
@@ -115,6 +115,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_drop(args: argparse.Namespace) -> int:
     """Forget the snapshots matching ``KEY_PREFIX`` (or ``--all``); exit 1 if none matched."""
+    from ember.loaders import drop_all, drop_snapshot  # torch: see cache.py
+
     try:
         if args.all:
             count = drop_all(config=_config(args))

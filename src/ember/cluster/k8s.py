@@ -42,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from ember import settings
 from ember.app.app import App
 from ember.cluster.build import IMPORT_PATH
-from ember.cluster.runtime import EDGE_NUM_CPUS, POOL_NUM_CPUS, THROUGHPUT_SETTINGS
+from ember.cluster.defaults import EDGE_NUM_CPUS, POOL_NUM_CPUS
+from ember.cluster.runtime import THROUGHPUT_SETTINGS
 from ember.edge.edge import DRAIN_S
 from ember.errors import ConfigError
 

@@ -23,6 +23,11 @@ from ember import ray_internals, settings
 from ember.app.app import App
 from ember.app.config import SHUTDOWN_WAIT_LOOP_S, serve_logging, to_ray_options
 from ember.cluster import lifecycle
+from ember.cluster.defaults import DEFAULT_HOST as DEFAULT_HOST
+from ember.cluster.defaults import DEFAULT_PORT as DEFAULT_PORT
+from ember.cluster.defaults import EDGE_NUM_CPUS as EDGE_NUM_CPUS
+from ember.cluster.defaults import POOL_NUM_CPUS as POOL_NUM_CPUS
+from ember.cluster.defaults import default_port as default_port
 from ember.control import snapshot_placement, store, warm_runtime
 from ember.control.listeners import (
     LOCAL_CLUSTER_ENV,
@@ -47,8 +52,6 @@ from ember.loaders import snapshot_key
 
 logger = logging.getLogger("ember")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 
 #: Ray Serve's in-process throughput settings (part of its ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
 #: mode), set for the clusters Ember starts. Measured on 2 cores with MiniLM at concurrency 32
@@ -80,17 +83,6 @@ THROUGHPUT_SETTINGS = {
 
 #: Environment of a Ray worker that calls deployment handles from sync code.
 SYNC_HANDLE_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
-
-#: CPUs each edge and each warm-pool replica reserves: small, so they fit beside the models
-#: (cluster manifests size their nodes with these too, see ``cluster/k8s.py``).
-EDGE_NUM_CPUS = 0.1
-POOL_NUM_CPUS = 0.1
-
-
-def default_port() -> int:
-    """``EMBER_PORT`` or 8000."""
-    return settings.load().port
-
 
 def build_application(app: App, *, host: str = DEFAULT_HOST, port: int | None = None) -> Any:
     """The Ray Serve application for ``app``: its edges, bound to every deployment's handle.
