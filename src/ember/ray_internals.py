@@ -74,6 +74,7 @@ import importlib
 import inspect
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -484,14 +485,27 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
 
 
 def dashboard_address() -> str | None:
-    """``host:port`` of the cluster's dashboard, where Ray records it; None without one."""
+    """``host:port`` of the cluster's dashboard, where Ray records it; None without one.
+
+    Ray records the address even when it runs the dashboard without its HTTP server
+    (``include_dashboard=False``, as ``ember run`` does unless asked), so an address where
+    nothing answers counts as none.
+    """
     if not available("dashboard_address"):
         return None
     from ray._private import ray_constants
 
     found = kv_get(ray_constants.DASHBOARD_ADDRESS,
                    namespace=ray_constants.KV_NAMESPACE_DASHBOARD.decode())
-    return found.decode() if found else None
+    if not found:
+        return None
+    address = found.decode()
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+            return address
+    except (OSError, ValueError):
+        return None
 
 
 def this_node() -> dict[str, Any]:

@@ -25,6 +25,10 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
         run.wait_ready(180)
         output = run.text()
         assert f"{url}" in output and "curl" in output
+        # No --dashboard-port: no dashboard listens, so the banner names none (nor the
+        # `serve status` line, which needs one), though Ray records an address for it.
+        assert "RAY_ADDRESS=" in output and "ray status" in output, output
+        assert "dashboard:" not in output and "serve status" not in output, output
         reply = httpx.post(f"{url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
         assert reply.status_code == 200, reply.text
         assert len(reply.json()["outputs"][0]) == 16
@@ -41,6 +45,7 @@ def test_ember_run_serves_scales_to_zero_and_stops_on_sigterm(
         status = subprocess.run([str(EMBER), "status", "--url", url], capture_output=True,
                                 text=True, timeout=60, check=True, env=run.env)
         assert "SeedMLP" in status.stdout
+        assert "serve status" not in status.stdout and "dashboard: http" not in status.stdout
         key = (tmp_path / "cache" / "admin-key").read_text().strip()
         monkeypatch.setenv("EMBER_ADMIN_KEY", key)  # for the status polls below
         # See SeedMLP's own replica (a request at zero is served by the warm pool and starts
