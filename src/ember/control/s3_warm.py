@@ -15,6 +15,14 @@ from __future__ import annotations
 
 import sys
 
-from ember.loaders import warm_s3_client
 
-WARMED = "botocore" in sys.modules and warm_s3_client()
+def _warm() -> bool:
+    if "botocore" not in sys.modules:
+        return False
+    # ember.loaders brings torch: only for an app that reads weights (see torch_warm.py).
+    from ember.loaders import warm_s3_client
+
+    return warm_s3_client()
+
+
+WARMED = _warm()

@@ -1,4 +1,5 @@
-"""Imported by warm-runtime workers (``warm_runtime.preload_modules``): run torch once.
+"""Imported by warm-runtime workers after the app's modules (``warm_runtime.preload_modules``):
+run torch once, if the app uses it.
 
 A process that imported torch but never ran an operator pays for it on its first forward
 pass: the intra-op thread pool, the CPU kernels' dispatch and their first allocations. On
@@ -6,14 +7,20 @@ the MiniLM flagship that first pass took 0.02-0.42 s in a pre-started worker, th
 and least steady part of its replica's own start. Running the operators transformer
 encoders use, on tiny tensors, when the worker starts moves that cost out of the request.
 Nothing here touches a GPU.
+
+An app whose modules did not import torch gets none: importing it here would cost every
+idle worker a second of CPU and its memory for nothing. (An app that imports torch only in
+``setup()`` is told to name it in ``ember.App(preload_modules=...)``: see
+``control/replica.py``.)
 """
 
 from __future__ import annotations
 
-import torch
+import sys
+from typing import Any
 
 
-def _exercise() -> None:
+def _exercise(torch: Any) -> None:
     with torch.inference_mode():
         ids = torch.randint(0, 16, (2, 8))
         hidden = torch.nn.functional.embedding(ids, torch.randn(16, 32))
@@ -25,4 +32,6 @@ def _exercise() -> None:
         (hidden * torch.ones(2, 8, 1)).sum(dim=1).div(8).norm(dim=-1)
 
 
-_exercise()
+_torch = sys.modules.get("torch")
+if _torch is not None:
+    _exercise(_torch)
