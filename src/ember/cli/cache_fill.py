@@ -45,10 +45,10 @@ def fill(
     Raises:
         WeightsError: the weights could not be fetched, verified or cached.
     """
-    started = time.monotonic()
-    extra = {"regional_cache": regional} if regional else {}
     from ember.loaders import LoaderConfig, preload_snapshot, resolve  # torch: see cache.py
 
+    started = time.monotonic()
+    extra = {"regional_cache": regional} if regional else {}
     weights = resolve(url, config=LoaderConfig(cache_dir=cache_dir, **extra), progress=progress)
     key = None
     if snapshot is not None:

@@ -9,6 +9,7 @@ controller, driven by Ember's policy, starts replicas.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -496,6 +497,15 @@ def _ray_access() -> dict[str, str | None] | None:
 
     if not ray.is_initialized():
         return None
+    return dict(_cluster_access())
+
+
+@functools.cache
+def _cluster_access() -> dict[str, str | None]:
+    # Read once per edge: the cluster's addresses do not change under it, and whether its
+    # dashboard listens takes a GCS read and a connection, not to be paid per status call.
+    import ray
+
     # Workers inherit the driver's RAY_AUTH_MODE, which Ray sets when it turns tokens on.
     return listeners.cluster_access(ray.get_runtime_context().gcs_address,
                                     token_auth=os.environ.get("RAY_AUTH_MODE") == "token",
