@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -61,14 +62,23 @@ class FakeEmber(BaseHTTPRequestHandler):
     """Ember's status and embedding routes, answered at once with fixed values."""
 
     running = 1  # replicas MiniLM reports; class-level, set per test
+    # Cold starts show in /-/status this long after the first POST (None: never), as an
+    # edge's count reaches the edge answering /-/status only when it publishes.
+    count_after_s: float | None = None
+    first_post: float | None = None
 
     def do_GET(self) -> None:
+        since = None if self.first_post is None else time.monotonic() - self.first_post
+        counted = since is not None and self.count_after_s is not None \
+            and since >= self.count_after_s
         row = {"deployment": "MiniLM", "replicas_running": self.running,
                "replicas_starting": 0, "ongoing": 0, "queued": 0, "floor": 0,
-               "max_replicas": 2, "cold_starts": 0, "last_cold_start": None}
+               "max_replicas": 2, "cold_starts": int(counted), "last_cold_start": None}
         self._send({"app": "fake", "ready": True, "deployments": [row]})
 
     def do_POST(self) -> None:
+        if FakeEmber.first_post is None:
+            FakeEmber.first_post = time.monotonic()
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         texts = body["input"] if isinstance(body, dict) else body
         rows = [{"embedding": [0.5, 0.5], "tokens": 3} for _ in texts]
@@ -88,6 +98,7 @@ class FakeEmber(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_ember() -> Iterator[str]:
+    FakeEmber.running, FakeEmber.count_after_s, FakeEmber.first_post = 1, None, None
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeEmber)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -124,3 +135,14 @@ def test_coldstart_fails_clearly_if_the_deployment_never_reaches_zero(fake_ember
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MiniLM never reached zero replicas in 1s" in done.stdout
     assert "embed [cold]" not in done.stdout  # no burst was sent to a warm deployment
+
+
+@pytest.mark.slow
+def test_coldstart_waits_for_the_count_to_reach_the_answering_edge(fake_ember: str) -> None:
+    # Each edge publishes its counts about once a second: a status read right after the burst
+    # may not show them yet. The scenario polls for the count (with a deadline) instead.
+    FakeEmber.running, FakeEmber.count_after_s = 0, 3.0
+    done = locust("coldstart", fake_ember, "-u", "2", "--zero-wait-s", "5",
+                  "--warm-requests", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cold starts counted by Ember: 1" in done.stdout
