@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,22 @@ def test_http_only_commands_load_neither_torch_nor_ray_serve() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
+
+
+def test_cache_commands_and_the_run_driver_do_not_load_torch(tmp_path: Path) -> None:
+    # The cache and snapshot listings read files and JSON; `ember run`'s driver deploys apps
+    # that may never touch torch. Torch costs them a second of CPU and 200 MB.
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from ember.cli import main\n"
+        "codes = [main(['cache', 'ls']), main(['snapshot', 'ls'])]\n"
+        "import ember.cluster.runtime\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True, env=env)
+    assert done.stdout.split("\n")[-2] == "[0, 0] False", done.stdout + done.stderr

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ember.errors import (
     CacheFull,
     HeaderInvalid,
@@ -44,10 +46,23 @@ from ember.loaders._snapshot_admin import (
     preload_snapshot,
 )
 from ember.loaders._source_s3 import warm_client as warm_s3_client
-from ember.loaders._staging import StagingCopier
 from ember.loaders._tier import CacheEntry
 from ember.loaders._tier_node import NodeTier
 from ember.loaders._writebehind import wait_all as wait_for_cache_writes
+
+if TYPE_CHECKING:
+    from ember.loaders._staging import StagingCopier
+
+
+def __getattr__(name: str) -> Any:
+    """``StagingCopier`` on first use: its module imports torch, which the processes that only
+    list, fill or map the cache (the CLI, the driver of ``ember run``, an app that never uses
+    torch) should not pay for (about a second of CPU and 200 MB)."""
+    if name == "StagingCopier":
+        from ember.loaders._staging import StagingCopier
+
+        return StagingCopier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CacheEntry",
