@@ -105,40 +105,38 @@ def test_status_names_each_version_with_its_share_of_the_traffic() -> None:
     assert "Embed@2 (v2, 10%)" in text and "Other (" not in text
 
 
-def test_http_only_commands_load_neither_torch_nor_ray_serve() -> None:
-    # In a fresh interpreter: this test process has imported both already. `ember status`
-    # against a closed port runs the whole command (parse, call, error) without a server.
+def _last_line_of_fresh(script: str, **env: str) -> str:
+    """``script``'s last printed line, run in a fresh interpreter: this test process has
+    imported torch and Ray Serve already."""
     import subprocess
     import sys
 
+    done = subprocess.run([sys.executable, "-c", "import sys\nfrom ember.cli import main\n"
+                           + script], capture_output=True, text=True, timeout=60, check=True,
+                          env={**os.environ, **env})
+    return done.stdout.split("\n")[-2] if "\n" in done.stdout else done.stdout + done.stderr
+
+
+def test_http_only_commands_load_neither_torch_nor_ray_serve() -> None:
+    # `ember status` against a closed port runs the whole command (parse, call, error)
+    # without a server.
     from support import free_port
 
-    script = (
-        "import sys\n"
-        "from ember.cli import main\n"
+    last = _last_line_of_fresh(
         f"code = main(['status', '--url', 'http://127.0.0.1:{free_port()}'])\n"
         "heavy = [m for m in ('torch', 'ray.serve', 'transformers') if m in sys.modules]\n"
-        "print(code, heavy)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True)
-    assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
+        "print(code, heavy)\n")
+    assert last == "2 []"
 
 
 def test_cache_commands_and_the_run_driver_do_not_load_torch(tmp_path: Path) -> None:
-    # The cache and snapshot listings read files and JSON; `ember run`'s driver deploys apps
-    # that may never touch torch. Torch costs them a second of CPU and 200 MB.
-    import subprocess
-    import sys
-
-    script = (
-        "import sys\n"
-        "from ember.cli import main\n"
-        "codes = [main(['cache', 'ls']), main(['snapshot', 'ls'])]\n"
+    # The cache's listings and fills read and write files; `ember run`'s driver deploys apps
+    # that may never touch torch. Torch costs them a second of CPU and about 180 MB.
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4)}, str(weights))
+    last = _last_line_of_fresh(
+        f"codes = [main(['cache', 'warm', {weights.as_uri()!r}]), main(['cache', 'ls']),\n"
+        "         main(['snapshot', 'ls'])]\n"
         "import ember.cluster.runtime\n"
-        "print(codes, 'torch' in sys.modules)\n"
-    )
-    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=True, env=env)
-    assert done.stdout.split("\n")[-2] == "[0, 0] False", done.stdout + done.stderr
+        "print(codes, 'torch' in sys.modules)\n", EMBER_CACHE_DIR=str(tmp_path / "cache"))
+    assert last == "[0, 0, 0] False"

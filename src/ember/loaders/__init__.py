@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     """``StagingCopier`` on first use: its module imports torch, which the processes that only
     list, fill or map the cache (the CLI, the driver of ``ember run``, an app that never uses
-    torch) should not pay for (about a second of CPU and 200 MB)."""
+    torch) should not pay for (about a second of CPU and 180 MB)."""
     if name == "StagingCopier":
         from ember.loaders._staging import StagingCopier
 
