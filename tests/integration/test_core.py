@@ -191,6 +191,47 @@ def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
     assert status["cold_starts"] >= 1
 
 
+def _controller_log() -> Path:
+    import ray
+
+    context = ray.get_runtime_context()
+    logs = Path(context.get_temp_dir()) / context.get_session_name() / "logs" / "serve"
+    return max(logs.glob("controller_*.log"), key=lambda p: p.stat().st_mtime)
+
+
+def _logged_at(line: str) -> float:
+    # "INFO 2026-11-27 21:53:44,012 controller 13720 -- ..."
+    day, clock = line.split()[1:3]
+    return time.mktime(time.strptime(f"{day} {clock[:8]}", "%Y-%m-%d %H:%M:%S")) + int(
+        clock[9:12]) / 1000
+
+
+def test_a_scale_up_creates_its_replica_in_the_control_step_that_decides_it(url: str) -> None:
+    # Serve updates deployments before it runs the autoscaling policies, then sleeps one
+    # control-loop interval: unwrapped, "Adding" follows "Upscaling" a whole interval later.
+    from ray.serve._private.constants import CONTROL_LOOP_INTERVAL_S
+
+    _cold_at_zero(url)
+    log = _controller_log()
+    offset = log.stat().st_size
+    assert [r.status_code for r in _burst(url, 1)] == [200]
+    cold = f"Deployment(name='Cold', app='{core.app.name}')"
+
+    def decided_and_added() -> tuple[str, str] | None:
+        with log.open() as lines:
+            lines.seek(offset)
+            tail = [line for line in lines if cold in line]
+        upscaled = next((i for i, line in enumerate(tail)
+                         if f"Upscaling {cold} from 0 to" in line), None)
+        added = next((line for line in tail[(upscaled or 0) + 1:]
+                      if line.split(" -- ", 1)[-1].startswith("Adding ")), None)
+        return None if upscaled is None or added is None else (tail[upscaled], added)
+
+    upscaled, added = wait_for(decided_and_added, 30, what="the controller's scale-up lines")
+    gap_s = _logged_at(added) - _logged_at(upscaled)
+    assert gap_s < CONTROL_LOOP_INTERVAL_S, (upscaled, added)
+
+
 def test_burst_of_16_at_zero_asks_for_8_replicas_before_the_first_runs(url: str) -> None:
     n, options = 16, core.app.spec("Cold").options
     promised = min(math.ceil(n / options.target_queue_depth), options.max_replicas)

@@ -6,6 +6,8 @@ taken away; the parts that keep a door shut or a policy applied must stop the st
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import re
 from collections.abc import Iterator
@@ -62,6 +64,8 @@ def _breaks() -> list[tuple[str, str, str]]:
          "_get_cold_start_scale_up_replicas"),
         ("kv_store", "ray.experimental.internal_kv", "_internal_kv_list"),
         ("prestart_workers", "ray._private.grpc_utils", "init_grpc_channel"),
+        ("same_step_scale_up", "ray.serve._private.deployment_state",
+         "DeploymentStateManager"),
     ]
 
 
@@ -154,3 +158,66 @@ def test_the_line_that_reaches_a_loopback_cluster() -> None:
     remote = cluster_access("10.0.0.5:6379", token_auth=False)
     assert remote["ray_status"] == "RAY_ADDRESS=10.0.0.5:6379 ray status"
     assert remote["serve_status"] is None and remote["dashboard"] is None
+
+
+class _State:
+    """One deployment's state, as DeploymentStateManager.autoscale reads and changes it."""
+
+    def __init__(self, target: int) -> None:
+        self.target_num_replicas = target
+
+    def autoscale(self, target: int) -> bool:
+        changed, self.target_num_replicas = target != self.target_num_replicas, target
+        return changed
+
+
+def test_a_raised_target_updates_the_deployments_as_soon_as_the_step_yields(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray's own DeploymentStateManager.autoscale, over stand-in deployment states.
+    from ray.serve._private.deployment_state import DeploymentStateManager
+
+    updates: list[Any] = []
+    # Unwrapped: constructing Ember's policy in this process (test_ray_policy) wraps them.
+    monkeypatch.setattr(DeploymentStateManager, "autoscale",
+                        inspect.unwrap(DeploymentStateManager.autoscale))
+    monkeypatch.setattr(DeploymentStateManager, "update",
+                        lambda self, proxy_nodes=None: updates.append(proxy_nodes) or False)
+    monkeypatch.setattr(ray_internals, "_SAME_STEP", set())
+    assert ray_internals.update_deployments_after_scale_up("a")
+    assert ray_internals.update_deployments_after_scale_up("b")  # "c" is not Ember's
+    manager: Any = object.__new__(DeploymentStateManager)
+    manager._shutting_down = False
+    manager._deployment_states = {"a": _State(0), "b": _State(2), "c": _State(0)}
+
+    async def control_step() -> None:
+        manager.update(proxy_nodes={"node-1"})  # the step's own update, before the policies
+        assert manager.autoscale("a", 3) and manager.autoscale("b", 4)
+        assert updates == [{"node-1"}]  # nothing runs inside the step
+        await asyncio.sleep(0)  # the step is over; Serve's loop sleeps
+        assert updates == [{"node-1"}, {"node-1"}]  # one more update for both raises
+        assert manager.autoscale("a", 1) and not manager.autoscale("b", 4)
+        await asyncio.sleep(0)
+        assert len(updates) == 2  # a lowered or unchanged target waits for the next step
+        assert manager.autoscale("c", 2)
+        await asyncio.sleep(0)
+        assert len(updates) == 2  # a deployment Ember does not scale keeps Serve's pace
+
+    asyncio.run(control_step())
+
+
+def test_a_step_that_runs_the_policies_first_is_left_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.serve._private.deployment_state import DeploymentStateManager
+
+    real = ray_internals._source
+
+    def applications_first(module: str, attr: str | None = None) -> str:
+        step = real(module, attr)
+        return step.replace("self.application_state_manager.update()", "") if (
+            attr == "ServeController") else step
+
+    before = DeploymentStateManager.autoscale
+    monkeypatch.setattr(ray_internals, "_source", applications_first)
+    assert "before applications" in (ray_internals.problem("same_step_scale_up") or "")
+    assert not ray_internals.update_deployments_after_scale_up("a")
+    assert DeploymentStateManager.autoscale is before  # untouched
