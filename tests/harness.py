@@ -9,6 +9,7 @@ On pytest's ``pythonpath`` (like ``support``), so every layer imports it as ``ha
 * :func:`scrape` and :func:`metric`: one ``/metrics`` scrape, parsed by prometheus_client.
 * :func:`moto_s3`: moto's standalone S3 server on 127.0.0.1, and :func:`s3_options`;
   :class:`S3Log` records the requests it serves.
+* :class:`ControllerLog`: what Serve's controller logged after a point, with the times.
 """
 
 from __future__ import annotations
@@ -214,6 +215,50 @@ class EmberRun:
         if left:
             self.kill_session()
         assert not left, f"{len(left)} processes of the run outlived it:\n" + "\n".join(left)
+
+
+class ControllerLog:
+    """The lines Serve's controller logs from now on, in a Ray session's directory.
+
+    Example:
+        >>> log = ControllerLog(session_dir)  # doctest: +SKIP
+        >>> ...  # the requests under test
+        >>> log.first("Upscaling Deployment(name='Cold'")  # doctest: +SKIP
+    """
+
+    def __init__(self, session_dir: Path) -> None:
+        logs = session_dir / "logs" / "serve"
+        self.path = max(logs.glob("controller_*.log"), key=lambda p: p.stat().st_mtime)
+        self.offset = self.path.stat().st_size
+
+    def lines(self) -> list[str]:
+        with self.path.open() as log:
+            log.seek(self.offset)
+            return log.read().splitlines()
+
+    def first(self, *parts: str, after: float = 0.0) -> tuple[float, str] | None:
+        """(time, line) of the first line logged at or after ``after`` with every part."""
+        for line in self.lines():
+            if all(part in line for part in parts) and (at := logged_at(line)) >= after:
+                return at, line
+        return None
+
+
+def logged_at(line: str) -> float:
+    """The wall-clock time of a line of Serve's log ("INFO 2026-11-27 21:53:44,012 ...")."""
+    day, clock = line.split()[1:3]
+    return time.mktime(time.strptime(f"{day} {clock[:8]}", "%Y-%m-%d %H:%M:%S")) + int(
+        clock[9:12]) / 1000
+
+
+def session_dir_of(processes: Iterable[psutil.Process]) -> Path | None:
+    """The Ray session directory named on the command line of one of ``processes``."""
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            for arg in process.cmdline():
+                if arg.startswith(("--session-dir=", "--session_dir=")):
+                    return Path(arg.split("=", 1)[1])
+    return None
 
 
 def ready(url: str) -> bool:

@@ -54,11 +54,14 @@ router_view            a handle's ``_router._asyncio_router           degrade: t
 fresh_push_at_zero     ``RouterMetricsManager.should_send_scaled_     degrade: cold starts
                        to_zero_optimized_push`` and ``._add_          wait up to one
                        autoscaling_metrics_point``                    metrics interval
-same_step_scale_up     ``ServeController.run_control_loop_step``      degrade: a scale-up
-                       and ``DeploymentStateManager.autoscale``/      waits one control
-                       ``update``: Serve applies an autoscaling       loop (0.1 s) more
-                       decision one control loop after it makes it;
-                       Ember creates the replicas in the same step
+controller_hooks       ``DeploymentStateManager.autoscale``/          degrade: a cold
+                       ``update``, ``ActorReplicaWrapper.             start waits up to
+                       on_scheduled``/``check_ready`` (their          three control loops
+                       ``_allocated_obj_ref``, ``_ready_obj_ref``),   more (0.1 s each)
+                       and the order of ``ServeController.
+                       run_control_loop_step``: Serve acts on a
+                       scale-up and a starting replica a loop
+                       later; ``ray_controller`` acts at once
 dashboard_address      the key under which Ray stores its dashboard's degrade: status
                        address (``ray_constants.DASHBOARD_ADDRESS``)  omits the dashboard
 driver_signal_handlers ``set_sigterm_handler`` and ``CoreWorker``,     degrade: a signal
@@ -73,7 +76,6 @@ process (a child of this process named ``raylet``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import importlib
@@ -269,18 +271,14 @@ def _check_fresh_push_at_zero() -> str | None:
     return None
 
 
-def _check_same_step_scale_up() -> str | None:
+def _check_controller_hooks() -> str | None:
     controller_module, state_module = "ray.serve._private.controller", \
         "ray.serve._private.deployment_state"
     gone = _missing(controller_module, "ServeController") or _missing(
         state_module, "DeploymentStateManager")
     if gone:
         return gone
-    step = getattr(importlib.import_module(controller_module).ServeController,
-                   "run_control_loop_step", None)
     manager: Any = importlib.import_module(state_module).DeploymentStateManager
-    if not inspect.iscoroutinefunction(step):
-        return "ServeController.run_control_loop_step is gone or no longer a coroutine"
     if _params(manager.autoscale) != ["self", "deployment_id", "target_num_replicas"]:
         return "DeploymentStateManager.autoscale changed signature"
     if _params(manager.update) != ["self", "proxy_nodes"] or not callable(
@@ -293,6 +291,27 @@ def _check_same_step_scale_up() -> str | None:
     if deployments < 0 or applications < deployments or "self._proxy_nodes" not in source:
         return ("ServeController.run_control_loop_step no longer updates deployments "
                 "(with self._proxy_nodes) before applications")
+    return _check_replica_start_polls(state_module)
+
+
+def _check_replica_start_polls(state_module: str) -> str | None:
+    import ray
+
+    wrapper = getattr(importlib.import_module(state_module), "ActorReplicaWrapper", None)
+    statuses = getattr(importlib.import_module(state_module), "ReplicaStartupStatus", None)
+    if wrapper is None or _params(wrapper.check_ready) != ["self"] or _params(
+            wrapper.on_scheduled)[:2] != ["self", "actor_handle"] or not all(
+            hasattr(statuses, s) for s in ("PENDING_ALLOCATION", "PENDING_INITIALIZATION")):
+        return "ActorReplicaWrapper.check_ready/on_scheduled or ReplicaStartupStatus changed"
+    replica = _source(state_module, "ActorReplicaWrapper")
+    scheduled = replica.split("def on_scheduled", 1)[-1].split("\n    def ", 1)[0]
+    ready = replica.split("def check_ready", 1)[-1].split("\n    def ", 1)[0]
+    if "self._allocated_obj_ref = " not in scheduled or not all(
+            f"self.{ref}" in ready for ref in ("_allocated_obj_ref", "_ready_obj_ref")):
+        return ("ActorReplicaWrapper no longer sets _allocated_obj_ref in on_scheduled or "
+                "polls it and _ready_obj_ref in check_ready")
+    if not callable(getattr(ray.ObjectRef, "future", None)):
+        return "ray.ObjectRef.future is gone"
     return None
 
 
@@ -321,7 +340,7 @@ INTERNALS = (
     Internal("grpc_by_value", "degrade", _check_grpc_by_value),
     Internal("router_view", "degrade", _check_router_view),
     Internal("fresh_push_at_zero", "degrade", _check_fresh_push_at_zero),
-    Internal("same_step_scale_up", "degrade", _check_same_step_scale_up),
+    Internal("controller_hooks", "degrade", _check_controller_hooks),
     Internal("dashboard_address", "degrade", _check_dashboard_address),
     Internal("driver_signal_handlers", "degrade", _check_driver_signal_handlers),
 )
@@ -477,75 +496,6 @@ def wrap_scaled_to_zero_push(after_send: Callable[[Any], None]) -> bool:
     wrapped.__ember_wrapped__ = True  # type: ignore[attr-defined]
     manager.should_send_scaled_to_zero_optimized_push = wrapped
     return True
-
-
-#: Attributes Ember keeps on Serve's DeploymentStateManager (in the controller process).
-_PROXY_NODES, _UPDATE_SOON = "_ember_proxy_nodes", "_ember_update_soon"
-
-
-#: The deployments whose scale-ups create their replicas in the step that decides them.
-_SAME_STEP: set[Any] = set()
-
-
-def update_deployments_after_scale_up(deployment_id: Any) -> bool:
-    """In Serve's controller: create the replicas a scale-up of ``deployment_id`` asks for in
-    the step that decides it.
-
-    Each control-loop step updates the deployments (creating the replicas their targets ask
-    for) before the applications (which run the autoscaling policies), then sleeps 0.1 s: a
-    request at zero replicas waited a whole loop between the decision and the replica's
-    creation. Now a raised target schedules one more update of the deployments on the
-    controller's event loop, where it runs as soon as the step yields (the step never
-    awaits). Wrapping the controller's step itself would not do: its actor class is a copy
-    of the module's. Only the deployments named here (Ember's policy names its own each
-    tick; other deployments sharing the controller keep Serve's pace). The registry lives
-    here because Ray may load the policy's module more than once. Wraps once per process;
-    returns False (and changes nothing) when Ray moved what this wraps.
-    """
-    if not available("same_step_scale_up"):
-        return False
-    from ray.serve._private.deployment_state import DeploymentStateManager
-
-    _SAME_STEP.add(deployment_id)
-    manager: Any = DeploymentStateManager
-    if getattr(manager.autoscale, "__ember_wrapped__", False):
-        return True
-    manager.update = _keeping_proxy_nodes(manager.update)
-    manager.autoscale = _updating_after_scale_up(manager.autoscale,
-                                                 lambda deployment: deployment in _SAME_STEP)
-    return True
-
-
-def _keeping_proxy_nodes(update: Callable[..., bool]) -> Callable[..., bool]:
-    @functools.wraps(update)
-    def keeping(self: Any, proxy_nodes: Any = None) -> bool:
-        setattr(self, _PROXY_NODES, proxy_nodes)
-        return update(self, proxy_nodes=proxy_nodes)
-    return keeping
-
-
-def _updating_after_scale_up(autoscale: Callable[[Any, Any, int], bool],
-                             applies: Callable[[Any], bool]) -> Callable[[Any, Any, int], bool]:
-    def update_now(self: Any) -> None:
-        setattr(self, _UPDATE_SOON, False)
-        try:
-            self.update(proxy_nodes=getattr(self, _PROXY_NODES, None))
-        except Exception:  # as Serve's own step does: the control loop must go on
-            logger.exception("updating deployments after a scale-up failed")
-
-    @functools.wraps(autoscale)
-    def updating(self: Any, deployment_id: Any, target_num_replicas: int) -> bool:
-        before = self.get_deployment_target_num_replicas(deployment_id)
-        changed = autoscale(self, deployment_id, target_num_replicas)
-        if (changed and before is not None and target_num_replicas > before
-                and applies(deployment_id) and not getattr(self, _UPDATE_SOON, False)):
-            with contextlib.suppress(RuntimeError):  # no running loop: the next step does it
-                asyncio.get_running_loop().call_soon(update_now, self)
-                setattr(self, _UPDATE_SOON, True)
-        return changed
-
-    updating.__ember_wrapped__ = True  # type: ignore[attr-defined]
-    return updating
 
 
 def record_metrics_point(manager: Any) -> None:

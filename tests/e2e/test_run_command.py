@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from harness import EMBER, ROOT, EmberRun
+from harness import EMBER, ROOT, ControllerLog, EmberRun, session_dir_of
 from support import every_edge_sees, free_port, wait_for, wait_for_scale_down
 
 
@@ -151,23 +151,47 @@ def _phases(reply: httpx.Response) -> dict[str, str]:
     return dict(p.split("=", 1) for p in reply.headers["x-ember-cold-start"].split(";"))
 
 
+#: Serve's control loop in the run below: long enough that a wait for it shows.
+_LOOP_S = 3.0
+
+
+def _decided_and_serving(log: ControllerLog) -> tuple[tuple[float, str], tuple[float, str]]:
+    """When the controller decided to scale SeedMLP up from zero, and saw the replica serve."""
+    decided = wait_for(lambda: log.first("Upscaling Deployment(name='SeedMLP'", "from 0 to"),
+                       30, what="the scale-up decision in the controller's log")
+    serving = wait_for(lambda: log.first("started successfully", "deployment='SeedMLP'",
+                                         after=decided[0]),
+                       30, what="the replica's start in the controller's log")
+    return decided, serving
+
+
 @pytest.mark.slow
-def test_own_replica_from_zero_starts_in_a_pre_started_worker(tmp_path: Path) -> None:
+def test_own_replica_from_zero_starts_in_a_pre_started_worker_without_waiting_for_serves_loop(
+        tmp_path: Path) -> None:
     run = EmberRun("examples/mlp_app.py:app", tmp_path, unset=["EMBER_WARM_RUNTIME"],
                    env={"EMBER_SCALEDOWN_AFTER_S": "2", "EMBER_WARM_POOL": "0",
-                        "EMBER_ADMIN_LOOPBACK": "1"})
+                        "EMBER_ADMIN_LOOPBACK": "1",
+                        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": str(_LOOP_S)})
     url = run.url
     body = {"inputs": [[0.5] * 256]}
     try:
         run.wait_ready(180)
+        session = session_dir_of(run.record().values())
+        assert session is not None, "no process of the run names its Ray session"
         for trial in range(2):  # the second proves a used worker was replaced
             wait_for(lambda: _warm_idle_workers(run.proc.pid), 60, what="a pre-started worker")
             wait_for(lambda: every_edge_sees(url, "SeedMLP", 0), 90, what="SeedMLP at zero")
+            log = ControllerLog(session)
             reply = httpx.post(f"{url}/mlp", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             phases = _phases(reply)
             # Its own replica (no pool), in a process that had imported everything before.
             assert (phases["path"], phases["start"], phases["import"]) == (
                 "replica", "0", "0"), (trial, phases)
+            decided, serving = _decided_and_serving(log)
+            # Serve would wait a whole loop between the two before creating the replica and
+            # up to one each for its allocation and its constructor's end; Ember's
+            # controller hooks act on each at once.
+            assert serving[0] - decided[0] < _LOOP_S, (trial, decided[1], serving[1])
     finally:
         run.stop()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from apps import core
-from harness import by_label, scrape
+from harness import ControllerLog, by_label, scrape
 from serving import ControllerWatch, ServeApp, read_deployment
 from support import deployment_status, wait_for, wait_for_scale_down
 
@@ -191,19 +191,11 @@ def test_scale_to_zero_then_burst_of_20_all_answered(url: str) -> None:
     assert status["cold_starts"] >= 1
 
 
-def _controller_log() -> Path:
+def _controller_log() -> ControllerLog:
     import ray
 
     context = ray.get_runtime_context()
-    logs = Path(context.get_temp_dir()) / context.get_session_name() / "logs" / "serve"
-    return max(logs.glob("controller_*.log"), key=lambda p: p.stat().st_mtime)
-
-
-def _logged_at(line: str) -> float:
-    # "INFO 2026-11-27 21:53:44,012 controller 13720 -- ..."
-    day, clock = line.split()[1:3]
-    return time.mktime(time.strptime(f"{day} {clock[:8]}", "%Y-%m-%d %H:%M:%S")) + int(
-        clock[9:12]) / 1000
+    return ControllerLog(Path(context.get_temp_dir()) / context.get_session_name())
 
 
 def test_a_scale_up_creates_its_replica_in_the_control_step_that_decides_it(url: str) -> None:
@@ -213,23 +205,16 @@ def test_a_scale_up_creates_its_replica_in_the_control_step_that_decides_it(url:
 
     _cold_at_zero(url)
     log = _controller_log()
-    offset = log.stat().st_size
     assert [r.status_code for r in _burst(url, 1)] == [200]
     cold = f"Deployment(name='Cold', app='{core.app.name}')"
 
-    def decided_and_added() -> tuple[str, str] | None:
-        with log.open() as lines:
-            lines.seek(offset)
-            tail = [line for line in lines if cold in line]
-        upscaled = next((i for i, line in enumerate(tail)
-                         if f"Upscaling {cold} from 0 to" in line), None)
-        added = next((line for line in tail[(upscaled or 0) + 1:]
-                      if line.split(" -- ", 1)[-1].startswith("Adding ")), None)
-        return None if upscaled is None or added is None else (tail[upscaled], added)
+    def decided_and_added() -> tuple[tuple[float, str], tuple[float, str]] | None:
+        upscaled = log.first(f"Upscaling {cold} from 0 to")
+        added = upscaled and log.first(f"-- Adding 1 replica to {cold}", after=upscaled[0])
+        return (upscaled, added) if upscaled and added else None
 
     upscaled, added = wait_for(decided_and_added, 30, what="the controller's scale-up lines")
-    gap_s = _logged_at(added) - _logged_at(upscaled)
-    assert gap_s < CONTROL_LOOP_INTERVAL_S, (upscaled, added)
+    assert added[0] - upscaled[0] < CONTROL_LOOP_INTERVAL_S, (upscaled[1], added[1])
 
 
 def test_burst_of_16_at_zero_asks_for_8_replicas_before_the_first_runs(url: str) -> None:

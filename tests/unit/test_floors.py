@@ -103,7 +103,8 @@ class _LeaseInMemory(EmberAutoscalingPolicy):
 
 def _tick(policy: EmberAutoscalingPolicy, now_s: float, target: int,
           state: dict[str, float]) -> tuple[int, dict[str, float]]:
-    ctx = SimpleNamespace(app_name="a", deployment_name="d", current_time=now_s,
+    ctx = SimpleNamespace(app_name="a", deployment_name="d", deployment_id="a/d",
+                          current_time=now_s,
                           target_num_replicas=target, total_num_requests=0.0,
                           capacity_adjusted_min_replicas=0, capacity_adjusted_max_replicas=4,
                           policy_state=state)

@@ -6,8 +6,6 @@ taken away; the parts that keep a door shut or a policy applied must stop the st
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import re
 from collections.abc import Iterator
@@ -16,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ember import ray_internals
+from ember import ray_controller, ray_internals
 from ember.control.listeners import cluster_access, verify_loopback
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ember"
@@ -45,7 +43,7 @@ def test_nothing_outside_ray_internals_names_a_private_part_of_ray() -> None:
     found = []
     for path in SRC.rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()
-        if rel == "ray_internals.py":
+        if rel in ("ray_internals.py", "ray_controller.py"):  # the latter: its controller part
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
@@ -64,7 +62,7 @@ def _breaks() -> list[tuple[str, str, str]]:
          "_get_cold_start_scale_up_replicas"),
         ("kv_store", "ray.experimental.internal_kv", "_internal_kv_list"),
         ("prestart_workers", "ray._private.grpc_utils", "init_grpc_channel"),
-        ("same_step_scale_up", "ray.serve._private.deployment_state",
+        ("controller_hooks", "ray.serve._private.deployment_state",
          "DeploymentStateManager"),
     ]
 
@@ -160,51 +158,6 @@ def test_the_line_that_reaches_a_loopback_cluster() -> None:
     assert remote["serve_status"] is None and remote["dashboard"] is None
 
 
-class _State:
-    """One deployment's state, as DeploymentStateManager.autoscale reads and changes it."""
-
-    def __init__(self, target: int) -> None:
-        self.target_num_replicas = target
-
-    def autoscale(self, target: int) -> bool:
-        changed, self.target_num_replicas = target != self.target_num_replicas, target
-        return changed
-
-
-def test_a_raised_target_updates_the_deployments_as_soon_as_the_step_yields(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Ray's own DeploymentStateManager.autoscale, over stand-in deployment states.
-    from ray.serve._private.deployment_state import DeploymentStateManager
-
-    updates: list[Any] = []
-    # Unwrapped: constructing Ember's policy in this process (test_ray_policy) wraps them.
-    monkeypatch.setattr(DeploymentStateManager, "autoscale",
-                        inspect.unwrap(DeploymentStateManager.autoscale))
-    monkeypatch.setattr(DeploymentStateManager, "update",
-                        lambda self, proxy_nodes=None: updates.append(proxy_nodes) or False)
-    monkeypatch.setattr(ray_internals, "_SAME_STEP", set())
-    assert ray_internals.update_deployments_after_scale_up("a")
-    assert ray_internals.update_deployments_after_scale_up("b")  # "c" is not Ember's
-    manager: Any = object.__new__(DeploymentStateManager)
-    manager._shutting_down = False
-    manager._deployment_states = {"a": _State(0), "b": _State(2), "c": _State(0)}
-
-    async def control_step() -> None:
-        manager.update(proxy_nodes={"node-1"})  # the step's own update, before the policies
-        assert manager.autoscale("a", 3) and manager.autoscale("b", 4)
-        assert updates == [{"node-1"}]  # nothing runs inside the step
-        await asyncio.sleep(0)  # the step is over; Serve's loop sleeps
-        assert updates == [{"node-1"}, {"node-1"}]  # one more update for both raises
-        assert manager.autoscale("a", 1) and not manager.autoscale("b", 4)
-        await asyncio.sleep(0)
-        assert len(updates) == 2  # a lowered or unchanged target waits for the next step
-        assert manager.autoscale("c", 2)
-        await asyncio.sleep(0)
-        assert len(updates) == 2  # a deployment Ember does not scale keeps Serve's pace
-
-    asyncio.run(control_step())
-
-
 def test_a_step_that_runs_the_policies_first_is_left_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.serve._private.deployment_state import DeploymentStateManager
@@ -218,6 +171,6 @@ def test_a_step_that_runs_the_policies_first_is_left_alone(
 
     before = DeploymentStateManager.autoscale
     monkeypatch.setattr(ray_internals, "_source", applications_first)
-    assert "before applications" in (ray_internals.problem("same_step_scale_up") or "")
-    assert not ray_internals.update_deployments_after_scale_up("a")
+    assert "before applications" in (ray_internals.problem("controller_hooks") or "")
+    assert not ray_controller.move_on_at_once("a")
     assert DeploymentStateManager.autoscale is before  # untouched

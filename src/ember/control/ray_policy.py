@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ember import ray_internals
+from ember import ray_controller, ray_internals
 from ember.app import schedule
 from ember.app.config import POLICY_IMPORT_PATH
 from ember.control import floors
@@ -89,9 +89,9 @@ class EmberAutoscalingPolicy:
         return floors.LeaseStore(app).get(deployment)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        # In the controller: this deployment's scale-ups create their replicas in the step
-        # that decides them, not one control loop later.
-        ray_internals.update_deployments_after_scale_up(ctx.deployment_id)
+        # In the controller: this deployment's scale-ups and starting replicas are acted on
+        # at once, not at the next control-loop step.
+        ray_controller.move_on_at_once(ctx.deployment_id)
         now = float(ctx.current_time if ctx.current_time is not None else time.time())
         decision = self._decide(ctx, now, fresh=False)
         if decision.replicas < int(ctx.target_num_replicas):
