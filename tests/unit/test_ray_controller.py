@@ -2,7 +2,8 @@
 
 The scale-up hook runs Ray's own ``DeploymentStateManager.autoscale`` over stand-in
 deployment states; the starting-replica hook a stand-in ``check_ready`` whose object ref is
-a plain future. ``tests/integration/test_core.py`` proves both on a live controller.
+a plain future. On a live controller: the scale-up in ``tests/integration/test_core.py``,
+all three (with Serve's loop stretched to 3 s) in ``tests/e2e/test_run_command.py``.
 """
 
 from __future__ import annotations
@@ -86,9 +87,8 @@ def test_a_raised_target_updates_the_deployments_as_soon_as_the_step_yields(
 
 
 def _replica(deployment: str) -> Any:
-    ref = SimpleNamespace(future=concurrent.futures.Future)
     return SimpleNamespace(_replica_id=SimpleNamespace(deployment_id=deployment),
-                           _allocated_obj_ref=ref, _ready_obj_ref=None)
+                           _allocated_obj_ref=None, _ready_obj_ref=None)
 
 
 def test_a_starting_replica_is_moved_on_when_its_ref_resolves() -> None:
