@@ -205,7 +205,7 @@ def start_ray(*, address: str | None = None, num_cpus: float | None = None,
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     # Before anything starts: a Ray that moved what keeps a door shut or a policy applied
-    # is refused here, with the reason (see ember/ray_internals.py).
+    # is refused here, with the reason (see ember/ray_internals/).
     ray_internals.require(local=address is None)
     user_paths = _user_module_paths()
     if address is None and user_paths:
