@@ -34,7 +34,7 @@ import _minilm_apps as m
 import _serving
 from ray import serve
 
-PHASES = ("queue", "start", "import", "weights", "warmup")
+PHASES = ("queue", "start", "import", "weights", "warmup", "route")
 
 
 @dataclass

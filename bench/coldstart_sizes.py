@@ -281,7 +281,7 @@ def summarise(rung: Rung, path: str, trials: list[dict[str, Any]], peer_rounds: 
     pages = [t["load"]["phases_s"].get("pages_read", 0.0) for t in trials]
     read = [t["load"]["read_bytes"] for t in trials]
     anatomy = {k: _median([t["phases_s"].get(k, 0.0) for t in trials])
-               for k in ("queue", "start", "import", "weights", "warmup")}
+               for k in ("queue", "start", "import", "weights", "warmup", "route")}
     anatomy["load"] = {k: _median([t["load"]["phases_s"].get(k, 0.0) for t in trials])
                        for k in trials[0]["load"]["phases_s"]} if trials else {}
     peers = {n: _median([r[n]["seconds"] for r in peer_rounds if "seconds" in r.get(n, {})])

@@ -13,6 +13,10 @@ in the ``X-Ember-Cold-Start`` header (milliseconds)::
   and the deployment's module);
 * ``weights``: the deployment's ``setup()``, which loads the weights;
 * ``warmup``: its ``warmup()``, run before the replica reports ready;
+* ``route``: only for a request served by the deployment's own new replica, from the
+  replica's ready (or the request's arrival, if later) until the edge's router could send
+  to it: Serve's controller noticing the replica, and its broadcast of the new replica set
+  reaching the edge. The rest of ``total`` is the request's own work and its way back;
 * ``device``: only for a GPU deployment served by the GPU pool, the move of its model from
   pinned host memory to the device (``device_snapshot.py``); absent when nothing moved;
 * ``adapter``: only for a generation request naming a LoRA adapter its replica had not
@@ -35,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 IMPORTED_AT = time.time()
 
 PHASES = ("queue", "start", "import", "weights", "warmup")
+#: Phases a request may have on one path only; the header names them when measured.
+EXTRA_PHASES = ("route", "device")
 
 
 #: ``path`` of a request the warm pool answered with a model it had built before the request.
@@ -93,8 +99,8 @@ class ColdStartReport:
         """The ``X-Ember-Cold-Start`` value, in milliseconds."""
         parts = [f"total={self.total_s * 1000:.0f}", f"path={self.path}"]
         parts += [f"{name}={self.phases.get(name, 0.0) * 1000:.0f}" for name in PHASES]
-        if "device" in self.phases:
-            parts.append(f"device={self.phases['device'] * 1000:.0f}")
+        parts += [f"{name}={self.phases[name] * 1000:.0f}" for name in EXTRA_PHASES
+                  if name in self.phases]
         return ";".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -103,7 +109,7 @@ class ColdStartReport:
 
 
 def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | None,
-           path: str) -> ColdStartReport:
+           path: str, placed_at: float | None = None) -> ColdStartReport:
     """Phases of a cold request from its arrival, its answer and the serving replica's marks.
 
     Args:
@@ -111,38 +117,48 @@ def report(arrived_at: float, answered_at: float, timeline: ReplicaTimeline | No
         answered_at: wall-clock time its answer came back.
         timeline: marks of the replica that served it, if known.
         path: ``replica`` or ``pool``.
+        placed_at: wall-clock time the edge's router first had the new replica to send to
+            (``replica`` path only); gives the ``route`` phase.
 
     Example:
         >>> t = ReplicaTimeline(process_started_at=10.5, imported_at=11.0,
         ...                     init_started_at=12.0, setup_s=0.5, warmup_s=0.1)
         >>> report(10.0, 13.0, t, "replica").phases["import"]
         1.0
+        >>> t.ready_at = 12.6
+        >>> round(report(10.0, 13.0, t, "replica", placed_at=12.75).phases["route"], 2)
+        0.15
     """
     total = max(0.0, answered_at - arrived_at)
     if timeline is None:
         return ColdStartReport(total, path)
+    phases = _start_phases(arrived_at, timeline)
+    if path == "replica" and placed_at and timeline.ready_at > 0 and not timeline.prewarmed:
+        phases["route"] = max(0.0, placed_at - max(timeline.ready_at, arrived_at))
+    return ColdStartReport(total, path, phases)
+
+
+def _start_phases(arrived_at: float, timeline: ReplicaTimeline) -> dict[str, float]:
+    """The phases of the replica's start that the request waited for."""
     if timeline.prewarmed or timeline.init_started_at < arrived_at:
         # The process existed before the request: only the setup it ran for it counts.
         ran_setup = timeline.init_started_at >= arrived_at
-        weights = timeline.setup_s if ran_setup else 0.0
-        warmup = timeline.warmup_s if ran_setup else 0.0
-        phases = {"queue": 0.0, "start": 0.0, "import": 0.0, "weights": weights,
-                  "warmup": warmup}
+        phases = {"queue": 0.0, "start": 0.0, "import": 0.0,
+                  "weights": timeline.setup_s if ran_setup else 0.0,
+                  "warmup": timeline.warmup_s if ran_setup else 0.0}
         if timeline.device_s > 0:
             phases["device"] = timeline.device_s
-        return ColdStartReport(total, path, phases)
+        return phases
     if timeline.imported_at < arrived_at:
         # A pre-started worker (the warm runtime) became the replica: it had imported
         # everything before the request; Serve's scale-up and the actor's creation in it
         # are the queue.
-        return ColdStartReport(total, path, {
-            "queue": max(0.0, timeline.init_started_at - arrived_at), "start": 0.0,
-            "import": 0.0, "weights": timeline.setup_s, "warmup": timeline.warmup_s})
-    phases = {
+        return {"queue": max(0.0, timeline.init_started_at - arrived_at), "start": 0.0,
+                "import": 0.0, "weights": timeline.setup_s, "warmup": timeline.warmup_s}
+    return {
         "queue": max(0.0, timeline.process_started_at - arrived_at),
         "start": max(0.0, timeline.imported_at - max(timeline.process_started_at, arrived_at)),
         "import": max(0.0, timeline.init_started_at - timeline.imported_at),
         "weights": timeline.setup_s,
         "warmup": timeline.warmup_s,
     }
-    return ColdStartReport(total, path, phases)

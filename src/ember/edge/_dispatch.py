@@ -115,6 +115,8 @@ class Dispatcher:
         #: The last failed-start reason logged per deployment.
         self._logged_failures: dict[str, str] = {}
         self._placing: dict[str, asyncio.Future[None]] = {}
+        #: When each deployment's router last went from no replica to one (the poll's end).
+        self._placed_at: dict[str, float] = {}
         self.tracker = tracker
 
     def timeout_for(self, route: RouteSpec) -> float:
@@ -261,6 +263,7 @@ class Dispatcher:
         async with asyncio.timeout(self._options[name].request_timeout_s):
             while self.no_own_replica(name):
                 await asyncio.sleep(_PLACED_POLL_S)
+        self._placed_at[name] = time.time()
 
     async def _replica_report(self, name: str, arrived: float,
                               timeline: asyncio.Task[ReplicaTimeline | None]
@@ -278,7 +281,8 @@ class Dispatcher:
         except TimeoutError:
             _cancel(timeline)
             fetched = None
-        report = coldstart.report(arrived, answered, fetched, "replica")
+        placed_at = self._placed_at.get(name) if placed is not None and placed.done() else None
+        report = coldstart.report(arrived, answered, fetched, "replica", placed_at)
         self.tracker.record_cold(name, report)
         return report
 

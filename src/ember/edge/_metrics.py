@@ -78,7 +78,8 @@ class Metrics:
         )
         self.cold_start_phase_s = Histogram(
             "ember_cold_start_phase_seconds",
-            "Cold start phases: queue, start, import, weights, warmup, device (GPU pool)",
+            "Cold start phases: queue, start, import, weights, warmup, route (own replica), "
+            "device (GPU pool)",
             ["deployment", "phase", "path"],
             buckets=_PHASE_BUCKETS_S,
             registry=r,
