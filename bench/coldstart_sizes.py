@@ -10,7 +10,8 @@ trial, on four paths:
 3. ``regional``: the same files from an S3-protocol server on loopback (moto, O(range)
    ranged GETs), the node cache emptied before the trial;
 4. ``second_replica``: a second deployment of the same model and cache cold-starts while
-   the first one serves: it maps the first one's page-cache pages.
+   the first one is held by a warm floor (no requests): it maps the first one's page-cache
+   pages.
 
 The same run measures the limits on the same files (cold sequential read, page-cache read,
 the S3 server's ceiling with a plain parallel ranged-GET client; ``_sizes_limits.py``) and
@@ -48,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -204,29 +204,24 @@ def _forwards(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:
-    """B cold-starts while A serves (kept busy so that it does not scale down)."""
+    """B cold-starts while A holds the model: A is kept by a warm floor (Ember's lease), not
+    by requests, whose forwards would take a core from B's start at the larger sizes (one
+    forward every 0.5 s took about a core at 6 GB in run 8)."""
     first, _, _ = post(base + "/lm", deadline)
-    stop = threading.Event()
-
-    def keep_busy() -> None:
-        while not stop.wait(0.5):
-            httpx.post(base + "/lm", json=TOKENS[:2], timeout=120)
-
-    busy = threading.Thread(target=keep_busy, daemon=True)
-    busy.start()
+    lease = f"{base}/-/warm/{rung.names['a']}"
+    httpx.post(lease, params={"for": "600", "floor": 1}, timeout=30).raise_for_status()
     try:
-        # Not waiting here for the worker that replaces A's: A, kept busy by requests of a
-        # few ms, would scale down meanwhile. B may meet that worker importing.
+        # B may meet the worker that replaces A's still importing.
         body, took, phases = post(base + "/lm-b", deadline)
         pss = {}
         for label, pid in (("a", first["pid"]), ("b", body["pid"])):
             info = psutil.Process(pid).memory_full_info()
             pss[label] = {"rss_bytes": info.rss, "pss_bytes": info.pss}
     finally:
-        stop.set()
-        busy.join(timeout=130)
+        httpx.delete(lease, timeout=30)
     return {"total_s": took, "phases_s": phases, "load": body["load"],
-            "memory": body["memory"], "both_replicas": pss, **_forwards(body)}
+            "memory": body["memory"], "both_replicas": pss, "a_held_by": "warm floor",
+            **_forwards(body)}
 
 
 def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
