@@ -4,6 +4,7 @@ the cold-start metrics (``tests/integration/test_live_claims.py``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from pydantic import BaseModel
 
@@ -77,10 +78,12 @@ chain = ember.pipeline([Front, SlowMiddle, Back], route="/chain", name="chain")
                   scaledown_after_s=1.0)
 class ColdOne:
     async def setup(self) -> None:
+        # Objects out of the collector's reach when setup (the load) began.
+        self.frozen_at_setup = gc.get_freeze_count()
         await asyncio.sleep(0.5)  # a model load worth timing
 
     def __call__(self, body: Value) -> dict[str, int]:
-        return {"n": body.n}
+        return {"n": body.n, "frozen_at_setup": self.frozen_at_setup}
 
 
 app = ember.App([Bisect, chain, ColdOne], name="live-claims", warm_pool=0)
