@@ -192,8 +192,7 @@ def _cold_trial(run: EmberRun, session: Path, trial: int) -> None:
     # controller hooks act on each at once.
     assert serving[0] - decided[0] < _LOOP_S, (trial, decided[1], serving[1])
     # From the replica's ready to the edge's router having it: Serve notices the
-    # constructor's end at its next step (0-3 s here; 2.86 s measured with the hook
-    # taken out), Ember's hook at once (35-42 ms measured).
+    # constructor's end at its next step (up to 3 s here), Ember's hook at once.
     assert "route" in phases and int(phases["route"]) < 500, (trial, phases)
 
 

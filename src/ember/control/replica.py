@@ -71,13 +71,12 @@ def freeze_imported_heap() -> int:
 
     What a replica's process imported before its constructor (Ray, Serve, torch, the app)
     lives as long as the process, but the collector's full passes walk it all: in a process
-    that imported torch and transformers, one pass over about 430,000 objects took 0.22 s,
-    holding the GIL, and it landed in the middle of the weights' load, stalling every range
-    read (a 0.5 GB load from S3 on loopback in a fresh process: 0.66-0.69 s, and 0.40-0.42 s
-    with the heap frozen first). ``gc.freeze()`` alone is cheap (no collection: the little
-    garbage the imports left stays), and Serve's own ``gc.collect()`` and ``gc.freeze()``
-    after the constructor then walk only what the constructor made. A warm-runtime worker
-    has done this already, while idle (``settle_heap``).
+    that imported torch and transformers that is hundreds of thousands of objects, a pass
+    of tenths of a second holding the GIL, and where it lands in the middle of the weights'
+    load every range read waits for it. ``gc.freeze()`` alone is cheap (no collection: the
+    little garbage the imports left stays), and Serve's own ``gc.collect()`` and
+    ``gc.freeze()`` after the constructor then walk only what the constructor made. A
+    warm-runtime worker has done this already, while idle (``settle_heap``).
     """
     gc.freeze()
     return gc.get_freeze_count()
