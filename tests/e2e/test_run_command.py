@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ import psutil
 import pytest
 
 from harness import EMBER, ROOT, ControllerLog, EmberRun, session_dir_of
-from support import every_edge_sees, free_port, wait_for, wait_for_scale_down
+from support import deployment_status, every_edge_sees, free_port, wait_for, wait_for_scale_down
 
 
 @pytest.mark.slow
@@ -153,6 +154,7 @@ def _phases(reply: httpx.Response) -> dict[str, str]:
 
 #: Serve's control loop in the run below: long enough that a wait for it shows.
 _LOOP_S = 3.0
+_MLP_BODY = {"inputs": [[0.5] * 256]}
 
 
 def _decided_and_serving(log: ControllerLog) -> tuple[tuple[float, str], tuple[float, str]]:
@@ -180,7 +182,7 @@ def _cold_trial(run: EmberRun, session: Path, trial: int) -> None:
     wait_for(lambda: _warm_idle_workers(run.proc.pid), 60, what="a pre-started worker")
     wait_for(lambda: every_edge_sees(run.url, "SeedMLP", 0), 90, what="SeedMLP at zero")
     log = ControllerLog(session)
-    reply = httpx.post(f"{run.url}/mlp", json={"inputs": [[0.5] * 256]}, timeout=120)
+    reply = httpx.post(f"{run.url}/mlp", json=_MLP_BODY, timeout=120)
     assert reply.status_code == 200, reply.text
     phases = _phases(reply)
     # Its own replica (no pool), in a process that had imported everything before.
@@ -212,17 +214,46 @@ def test_own_replica_from_zero_starts_in_a_pre_started_worker_without_waiting_fo
         # Ray restarts a controller that dies; the new one runs Ember's policy again, which
         # puts the hooks back in that process (the third trial fails without them).
         wait_for(lambda: every_edge_sees(run.url, "SeedMLP", 0), 90, what="SeedMLP at zero")
-        killed = _serve_controller(run.proc.pid)
-        assert killed is not None, "no Serve controller among the run's processes"
-        killed.kill()  # SIGKILL, by PID
-        restarted = wait_for(lambda: (c := _serve_controller(run.proc.pid)) is not None
-                             and c.pid != killed.pid and c, 90, what="a new Serve controller")
-        new_log = session / "logs" / "serve" / f"controller_{restarted.pid}.log"
-        # A recovering controller holds every router's updates until a step finds no replica
-        # recovering (Serve's pace: with this loop, a request then would wait up to 3 s for
-        # the edge to learn of its replica, docs/limits.md); the claim here is the hooks.
-        wait_for(lambda: new_log.exists() and "Finished recovering deployments"
-                 in new_log.read_text(), 90, what="the new controller's recovery")
+        _restart_controller(run, session)
         _cold_trial(run, session, 2)
+        # The worst moment: the controller dies while a request waits at zero for its
+        # replica. The edge holds the request; once the new controller has recovered it
+        # starts the replica and the request is answered, not lost.
+        assert any(_answered_across_a_controller_death(run, session) for _ in range(3)), (
+            "each request was answered before its controller died: nothing was tested")
     finally:
         run.stop()
+
+
+def _answered_across_a_controller_death(run: EmberRun, session: Path) -> bool:
+    """Kill the controller while a request waits at zero; the request must still be
+    answered, right. False when the replica answered before the kill (the step came at
+    once): the caller tries again."""
+    wait_for(lambda: _warm_idle_workers(run.proc.pid), 60, what="a pre-started worker")
+    wait_for(lambda: every_edge_sees(run.url, "SeedMLP", 0), 90, what="SeedMLP at zero")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{run.url}/mlp", json=_MLP_BODY, timeout=180)
+        wait_for(lambda: waiting.done() or deployment_status(run.url, "SeedMLP")["queued"],
+                 30, interval_s=0.05, what="the request held at the edge")
+        mid_start = not waiting.done()
+        if mid_start:
+            _restart_controller(run, session)
+        reply = waiting.result(timeout=180)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == httpx.post(f"{run.url}/mlp", json=_MLP_BODY, timeout=60).json()
+    return mid_start
+
+
+def _restart_controller(run: EmberRun, session: Path) -> None:
+    """SIGKILL Serve's controller by PID; return once Ray's restart of it has recovered."""
+    killed = _serve_controller(run.proc.pid)
+    assert killed is not None, "no Serve controller among the run's processes"
+    killed.kill()
+    restarted = wait_for(lambda: (c := _serve_controller(run.proc.pid)) is not None
+                         and c.pid != killed.pid and c, 90, what="a new Serve controller")
+    new_log = session / "logs" / "serve" / f"controller_{restarted.pid}.log"
+    # A recovering controller holds every router's updates until a step finds no replica
+    # recovering (Serve's pace: with this loop, a request then would wait up to 3 s for the
+    # edge to learn of its replica, docs/limits.md).
+    wait_for(lambda: new_log.exists() and "Finished recovering deployments"
+             in new_log.read_text(), 90, what="the new controller's recovery")
