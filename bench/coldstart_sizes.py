@@ -205,8 +205,8 @@ def _forwards(body: dict[str, Any]) -> dict[str, Any]:
 
 def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any]:
     """B cold-starts while A holds the model: A is kept by a warm floor (Ember's lease), not
-    by requests, whose forwards would take a core from B's start at the larger sizes (one
-    forward every 0.5 s took about a core at 6 GB in run 8)."""
+    by requests, whose forwards would take CPU from B's start, the more so the larger the
+    model (a 6 GB forward reads every weight)."""
     first, _, _ = post(base + "/lm", deadline)
     lease = f"{base}/-/warm/{rung.names['a']}"
     httpx.post(lease, params={"for": "600", "floor": 1}, timeout=30).raise_for_status()

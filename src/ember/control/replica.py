@@ -66,8 +66,8 @@ def match_torch_threads(num_cpus: float) -> int:
     return threads
 
 
-def freeze_imported_heap() -> int:
-    """Move every object the process holds now out of the collector's reach; their count.
+def freeze_imported_heap() -> None:
+    """Move every object the process holds now out of the collector's reach.
 
     What a replica's process imported before its constructor (Ray, Serve, torch, the app)
     lives as long as the process, but the collector's full passes walk it all: in a process
@@ -79,7 +79,6 @@ def freeze_imported_heap() -> int:
     warm-runtime worker has done this already, while idle (``settle_heap``).
     """
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
