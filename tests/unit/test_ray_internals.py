@@ -65,6 +65,10 @@ def _breaks() -> list[tuple[str, str, str]]:
         ("prestart_workers", "ray._private.grpc_utils", "init_grpc_channel"),
         ("controller_hooks", "ray.serve._private.deployment_state",
          "DeploymentStateManager"),
+        ("controller_hooks", "ray.serve._private.autoscaling_state",
+         "AutoscalingStateManager"),
+        ("fresh_push_at_zero", "ray.serve._private.router",
+         "RouterMetricsManager.push_autoscaling_metrics_to_controller"),
     ]
 
 
@@ -73,8 +77,25 @@ def test_a_removed_private_part_is_noticed(monkeypatch: pytest.MonkeyPatch, name
                                            module: str, attr: str) -> None:
     import importlib
 
-    monkeypatch.delattr(importlib.import_module(module), attr)
+    *owners, last = attr.split(".")  # a dotted attribute: one of a class in the module
+    target = importlib.import_module(module)
+    for owner in owners:
+        target = getattr(target, owner)
+    monkeypatch.delattr(target, last)
     assert f"{attr} is gone" in (ray_internals.problem(name) or "")
+
+
+def test_a_push_that_no_longer_skips_on_its_pending_ref_is_noticed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = checks._source
+
+    def renamed(module: str, attr: str | None = None) -> str:
+        text = real(module, attr)
+        return text.replace("_pending_metrics_push_ref", "_in_flight") if (
+            attr == "RouterMetricsManager") else text
+
+    monkeypatch.setattr(checks, "_source", renamed)
+    assert "_pending_metrics_push_ref" in (ray_internals.problem("fresh_push_at_zero") or "")
 
 
 def test_refusing_parts_stop_the_start_with_every_reason(

@@ -33,6 +33,7 @@ from ember.edge._router_view import (
     push_fresh_demand_at_zero,
     running_replicas,
 )
+from ember.edge._router_view import check_now as check_router_view_now
 from ember.edge._state import LoadTracker
 from ember.errors import (
     DeploymentUnavailable,
@@ -98,6 +99,7 @@ class Dispatcher:
         gpu_pool_names: frozenset[str] = frozenset(),
     ) -> None:
         push_fresh_demand_at_zero()  # here, in the edge: the process that holds the handles
+        check_router_view_now()
         self._handles = handles
         grpc = _grpc_transport()
         self._calls = {n: h.options(method_name="ember_call", **grpc)

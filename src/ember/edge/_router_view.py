@@ -13,6 +13,7 @@ are not there (a Ray upgrade moved them), and callers fall back to the polled co
 if they wait.
 
 ``push_fresh_demand_at_zero`` mends the router's side of a cold start: see its doc.
+``check_now`` runs the readers' check when the edge starts rather than in its first request.
 """
 
 from __future__ import annotations
@@ -44,4 +45,15 @@ def push_fresh_demand_at_zero() -> bool:
     Recording a sample just before that push fixes it. Installed in the process that holds
     the handles (the edge); returns False when a Ray upgrade moved what this wraps.
     """
-    return ray_internals.wrap_scaled_to_zero_push(ray_internals.record_metrics_point)
+    return ray_internals.wrap_scaled_to_zero_push(ray_internals.push_demand_now)
+
+
+def check_now() -> bool:
+    """Check the router's internals now, at the edge's start; whether the readers work.
+
+    The check reads Ray's source (about 0.09 s of CPU here) and its answer is kept for the
+    process. Left to the first reading, it ran inside the first cold request each edge
+    served, between the request's arrival and its send, so that request's replica started
+    0.09 s later.
+    """
+    return ray_internals.available("router_view")

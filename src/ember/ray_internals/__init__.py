@@ -52,16 +52,24 @@ router_view            a handle's ``_router._asyncio_router           degrade: t
                        ._request_router.curr_replicas`` and a         replica counts are
                        response's ``_replica_result_future``          used
 fresh_push_at_zero     ``RouterMetricsManager.should_send_scaled_     degrade: cold starts
-                       to_zero_optimized_push`` and ``._add_          wait up to one
-                       autoscaling_metrics_point``                    metrics interval
+                       to_zero_optimized_push``, ``._add_             wait up to one
+                       autoscaling_metrics_point``, ``.push_          metrics interval
+                       autoscaling_metrics_to_controller`` and its
+                       ``_pending_metrics_push_ref`` (skips a push
+                       while one is in flight) under
+                       ``_metrics_push_lock``
 controller_hooks       ``DeploymentStateManager.autoscale``/          degrade: a cold
                        ``update``, ``ActorReplicaWrapper.             start waits up to
-                       on_scheduled``/``check_ready`` (their          three control loops
+                       on_scheduled``/``check_ready`` (their          four control loops
                        ``_allocated_obj_ref``, ``_ready_obj_ref``),   more (0.1 s each)
                        and the order of ``ServeController.
-                       run_control_loop_step``: Serve acts on a
-                       scale-up and a starting replica a loop
-                       later; ``ray_controller`` acts at once
+                       run_control_loop_step``; ``Autoscaling
+                       StateManager.record_*_for_handle`` (the
+                       report's ``queued_requests``/``q_val``) and
+                       ``ApplicationStateManager._application_
+                       states``' ``autoscale``: Serve decides and
+                       acts on a scale-up and a starting replica a
+                       loop later; ``ray_controller`` at once
 dashboard_address      the key under which Ray stores its dashboard's degrade: status
                        address (``ray_constants.DASHBOARD_ADDRESS``)  omits the dashboard
 driver_signal_handlers ``set_sigterm_handler`` and ``CoreWorker``,     degrade: a signal
@@ -88,7 +96,7 @@ from ember.ray_internals._access import (
     kv_list,
     kv_put,
     prestart_workers,
-    record_metrics_point,
+    push_demand_now,
     response_assigned,
     router_running_replicas,
     serve_replica_module,
@@ -128,7 +136,7 @@ __all__ = [
     "kv_put",
     "prestart_workers",
     "problem",
-    "record_metrics_point",
+    "push_demand_now",
     "require",
     "response_assigned",
     "router_running_replicas",

@@ -102,10 +102,12 @@ def response_assigned(response: Any) -> bool | None:
     return bool(done()) if callable(done) else None
 
 
-def wrap_scaled_to_zero_push(after_send: Callable[[Any], None]) -> bool:
-    """Call ``after_send(manager)`` whenever a router decides on its cold-start push.
+def wrap_scaled_to_zero_push(push_now: Callable[[Any], None]) -> bool:
+    """Have ``push_now(manager)`` make every cold-start push of a router, in Ray's stead.
 
-    Returns False (and changes nothing) when Ray moved what this wraps.
+    Ray's router pushes its queue to the controller when a request meets zero replicas;
+    with this, ``push_now`` makes that push and Ray's own does not happen. Returns False
+    (and changes nothing) when Ray moved what this wraps.
     """
     if not available("fresh_push_at_zero"):
         return False
@@ -117,19 +119,37 @@ def wrap_scaled_to_zero_push(after_send: Callable[[Any], None]) -> bool:
         return True
 
     def wrapped(self: Any, curr_num_replicas: int) -> bool:
-        send = original(self, curr_num_replicas)
-        if send:
-            after_send(self)
-        return send
+        if original(self, curr_num_replicas):
+            push_now(self)
+        return False  # pushed already, or nothing to push
 
     wrapped.__ember_wrapped__ = True  # type: ignore[attr-defined]
     manager.should_send_scaled_to_zero_optimized_push = wrapped
     return True
 
 
-def record_metrics_point(manager: Any) -> None:
-    """Make a router's metrics manager record a sample now."""
+#: The router's last push of demand at zero replicas, kept on its metrics manager.
+_DEMAND_PUSH = "_ember_demand_push_ref"
+
+
+def push_demand_now(manager: Any) -> None:
+    """Record a sample of a router's queue and push it to the controller now.
+
+    Ray's push skips itself while the router's previous push is in flight, and its
+    periodic pushes (every ``metrics_interval_s``) are in flight often: a request at zero
+    then waited for the next periodic push to reach the controller (0.13 s of a 0.2 s
+    queue, measured). A periodic push in flight predates the request, so it is forgotten
+    here and this push goes; the controller keeps whichever report is newest. Only a demand
+    push of this function's own still in flight holds the next one back, so a burst at zero
+    sends one push, not one per request.
+    """
     manager._add_autoscaling_metrics_point()
+    with manager._metrics_push_lock:
+        pending = manager._pending_metrics_push_ref
+        if pending is not None and pending is not getattr(manager, _DEMAND_PUSH, None):
+            manager._pending_metrics_push_ref = None
+    manager.push_autoscaling_metrics_to_controller()
+    setattr(manager, _DEMAND_PUSH, manager._pending_metrics_push_ref)
 
 
 def prestart_workers(count: int, keep_alive_s: int) -> None:

@@ -188,9 +188,17 @@ def _check_fresh_push_at_zero() -> str | None:
     from ray.serve._private import router
 
     manager = getattr(router, "RouterMetricsManager", None)
-    for attr in ("should_send_scaled_to_zero_optimized_push", "_add_autoscaling_metrics_point"):
+    for attr in ("should_send_scaled_to_zero_optimized_push", "_add_autoscaling_metrics_point",
+                 "push_autoscaling_metrics_to_controller"):
         if not callable(getattr(manager, attr, None)):
             return f"RouterMetricsManager.{attr} is gone"
+    push = _source("ray.serve._private.router", "RouterMetricsManager").split(
+        "def push_autoscaling_metrics_to_controller", 1)[-1].split("\n    def ", 1)[0]
+    if ("with self._metrics_push_lock:" not in push
+            or "if self._pending_metrics_push_ref is not None:" not in push
+            or "self._pending_metrics_push_ref = (" not in push):
+        return ("RouterMetricsManager.push_autoscaling_metrics_to_controller no longer skips "
+                "on _pending_metrics_push_ref under _metrics_push_lock")
     return None
 
 
@@ -214,7 +222,33 @@ def _check_controller_hooks() -> str | None:
     if deployments < 0 or applications < deployments or "self._proxy_nodes" not in source:
         return ("ServeController.run_control_loop_step no longer updates deployments "
                 "(with self._proxy_nodes) before applications")
-    return _check_replica_start_polls(state_module)
+    return _check_replica_start_polls(state_module) or _check_demand_reports()
+
+
+def _check_demand_reports() -> str | None:
+    """What ``ray_controller`` reads to decide when a handle reports a request at zero."""
+    apps_module, metrics_module = "ray.serve._private.application_state", \
+        "ray.serve._private.autoscaling_state"
+    gone = _missing(apps_module, "ApplicationStateManager") or _missing(
+        metrics_module, "AutoscalingStateManager")
+    if gone:
+        return gone
+    metrics: Any = importlib.import_module(metrics_module).AutoscalingStateManager
+    if (_params(metrics.record_request_metrics_for_handle) != ["self", "handle_metric_report"]
+            or _params(metrics.record_columnar_metrics_for_handle) != ["self", "payload"]):
+        return "AutoscalingStateManager's handle reports changed signature"
+    apps = importlib.import_module(apps_module)
+    state: Any = getattr(apps, "ApplicationState", None)
+    if (_params(apps.ApplicationStateManager.update) != ["self"]
+            or "self._application_states: Dict[str, ApplicationState]" not in _source(
+                apps_module, "ApplicationStateManager")
+            or _params(state.autoscale) != ["self"] or _params(state.should_autoscale) != ["self"]):
+        return "ApplicationStateManager.update, _application_states or autoscale changed"
+    report = _source("ray.serve._private.common", "HandleMetricReport")
+    flat = _source("ray.serve._private.autoscaling_metrics_codec", "FlatHandleReport")
+    if "queued_requests: TimeSeries" not in report or "q_val: np.ndarray" not in flat:
+        return "a handle's report no longer carries its queue as queued_requests / q_val"
+    return None
 
 
 def _check_replica_start_polls(state_module: str) -> str | None:

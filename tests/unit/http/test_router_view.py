@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+from ray.serve._private import router
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve._private.config import DeploymentConfig
 from ray.serve._private.router import RouterMetricsManager
@@ -22,8 +24,9 @@ class _Method:
     def __init__(self) -> None:
         self.calls = 0
 
-    def remote(self, payload: Any) -> None:
+    def remote(self, payload: Any) -> object:
         self.calls += 1
+        return object()  # the push's object ref, never resolved here
 
 
 class _Controller:
@@ -72,3 +75,28 @@ def test_a_deployment_with_replicas_gets_no_extra_sample_or_push() -> None:
         pass
     assert controller.record_autoscaling_metrics_from_handle.calls == 0
     assert [point.value for point in manager.metrics_store.data["queued"]] == [0]
+
+
+def test_a_request_at_zero_is_pushed_though_a_periodic_push_is_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray's push skips itself while its last one is in flight; a periodic push predates the
+    # request, so the demand would reach the controller a whole metrics interval later.
+    assert push_fresh_demand_at_zero()
+    monkeypatch.setattr(router, "check_obj_ref_ready_nowait", lambda ref: False)
+    manager, controller, reports = _manager()
+    manager.push_autoscaling_metrics_to_controller()  # type: ignore[no-untyped-call]  # periodic, in flight
+    with manager.wrap_queued_request(is_retry=False, num_curr_replicas=0):
+        pass
+    assert controller.record_autoscaling_metrics_from_handle.calls == 2
+    assert reports[-1].queued_requests[-1].value == 1
+
+
+def test_a_burst_at_zero_sends_one_demand_push_while_it_is_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert push_fresh_demand_at_zero()
+    monkeypatch.setattr(router, "check_obj_ref_ready_nowait", lambda ref: False)
+    manager, controller, _ = _manager()
+    for _ in range(20):
+        with manager.wrap_queued_request(is_retry=False, num_curr_replicas=0):
+            pass
+    assert controller.record_autoscaling_metrics_from_handle.calls == 1
