@@ -2,8 +2,9 @@
 
 The scale-up hook runs Ray's own ``DeploymentStateManager.autoscale`` over stand-in
 deployment states; the starting-replica hook a stand-in ``check_ready`` whose object ref is
-a plain future. On a live controller: the scale-up in ``tests/integration/test_core.py``,
-all three (with Serve's loop stretched to 3 s) in ``tests/e2e/test_run_command.py``.
+a plain future; the demand hook stand-in reports and applications. On a live controller:
+the scale-up in ``tests/integration/test_core.py``, all of them (with Serve's loop stretched
+to 3 s) in ``tests/e2e/test_run_command.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import inspect
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from ray.serve._private.deployment_state import DeploymentStateManager, ReplicaStartupStatus
@@ -138,3 +139,59 @@ def test_replicas_of_other_deployments_are_not_watched() -> None:
 
     asyncio.run(step())
     assert asked == []
+
+
+class _DeploymentID(NamedTuple):
+    name: str
+    app_name: str = "app"
+
+
+class _App:
+    def __init__(self) -> None:
+        self.autoscaled = 0
+
+    def should_autoscale(self) -> bool:
+        return True
+
+    def autoscale(self) -> bool:
+        self.autoscaled += 1
+        return True
+
+
+def test_a_report_of_a_request_at_zero_runs_the_autoscaling_as_soon_as_the_call_yields(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    app = _App()
+    targets = {"a": 0, "b": 1, "c": 0}
+    deployments = {name: _DeploymentID(name) for name in targets}
+    monkeypatch.setattr(ray_controller, "_EMBER_DEPLOYMENTS", {deployments["a"], deployments["b"]})
+    monkeypatch.setattr(ray_controller, "_MANAGER", [SimpleNamespace(
+        get_deployment_target_num_replicas=lambda d: targets[d.name])])
+    monkeypatch.setattr(ray_controller, "_APPS", [SimpleNamespace(
+        _application_states={"app": app})])
+    recorded: list[Any] = []
+    record = ray_controller._deciding_on_demand(lambda self, report: recorded.append(report))
+
+    def columnar(name: str, queued: list[float]) -> dict[str, Any]:
+        return {"deployment_id": deployments[name], "q_val": queued}
+
+    def report(name: str, queued: list[float]) -> Any:
+        return SimpleNamespace(deployment_id=deployments[name],
+                               queued_requests=[SimpleNamespace(value=v) for v in queued])
+
+    async def controller_calls() -> None:
+        record(None, columnar("a", [0.0, 0.0]))  # nothing queued
+        record(None, columnar("b", [1.0]))  # a replica is asked for already
+        record(None, columnar("c", [1.0]))  # not Ember's: Serve's pace
+        await asyncio.sleep(0)
+        assert app.autoscaled == 0
+        record(None, columnar("a", [0.0, 1.0]))
+        record(None, report("a", [2.0]))
+        assert app.autoscaled == 0  # nothing runs inside the call
+        await asyncio.sleep(0)
+        assert app.autoscaled == 1  # once for both reports
+        record(None, report("a", []))
+        await asyncio.sleep(0)
+        assert app.autoscaled == 1
+
+    asyncio.run(controller_calls())
+    assert len(recorded) == 6  # Serve recorded every report first
