@@ -20,9 +20,9 @@ it runs as soon as the current step yields (a step never awaits):
   refs Serve polls; their futures call back).
 
 And the decision itself waited for the next step's autoscaling, up to a loop after the
-router's report of a request at zero replicas reached the controller (0.06-0.1 s in half
-of the cold starts measured). Such a report now schedules the application's autoscaling at
-once, for an Ember deployment whose target is zero.
+router's report of a request at zero replicas reached the controller. Such a report now
+schedules the application's autoscaling at once, for an Ember deployment whose target is
+zero.
 
 Only Ember's deployments (the policy names its own each tick); other deployments sharing
 the controller keep Serve's pace. Wrapping the controller's step itself would not do: its

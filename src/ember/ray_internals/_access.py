@@ -137,8 +137,8 @@ def push_demand_now(manager: Any) -> None:
 
     Ray's push skips itself while the router's previous push is in flight, and its
     periodic pushes (every ``metrics_interval_s``) are in flight often: a request at zero
-    then waited for the next periodic push to reach the controller (0.13 s of a 0.2 s
-    queue, measured). A periodic push in flight predates the request, so it is forgotten
+    then waited for the next periodic push to reach the controller, up to one interval
+    later. A periodic push in flight predates the request, so it is forgotten
     here and this push goes; the controller keeps whichever report is newest. Only a demand
     push of this function's own still in flight holds the next one back, so a burst at zero
     sends one push, not one per request.
