@@ -24,6 +24,13 @@ router's report of a request at zero replicas reached the controller. Such a rep
 schedules the application's autoscaling at once, for an Ember deployment whose target is
 zero.
 
+Each scale-up also made Ray export the replicas' actor class again: Serve copies the
+deployment's info on every autoscaling decision, the copy drops the cached actor class, and
+a new class is exported (disassembled and pickled, about 30 ms of the controller's CPU) before
+the replica is created. The class depends only on its name (a subclass of Serve's
+``ReplicaActor`` named for the deployment), so the controller now keeps one per name; being
+a cache of the same class, it is kept for every deployment on the controller.
+
 Only Ember's deployments (the policy names its own each tick); other deployments sharing
 the controller keep Serve's pace. Wrapping the controller's step itself would not do: its
 actor class is a copy of the module's.
@@ -51,6 +58,8 @@ _MANAGER: list[Any] = []
 _APPS: list[Any] = []
 #: Applications whose autoscaling is scheduled to run out of step.
 _AUTOSCALE_SOON: set[str] = set()
+#: The replicas' actor class of each deployment, by its actor name.
+_ACTOR_CLASSES: dict[str, Any] = {}
 #: Attributes Ember keeps on Serve's objects: the proxy nodes of the step's own update, a
 #: pending extra update, and the object ref a starting replica is being watched on.
 _PROXY_NODES, _UPDATE_SOON, _WATCHED = "_ember_proxy_nodes", "_ember_update_soon", \
@@ -67,6 +76,7 @@ def move_on_at_once(deployment_id: Any) -> bool:
         return False
     from ray.serve._private.application_state import ApplicationStateManager
     from ray.serve._private.autoscaling_state import AutoscalingStateManager
+    from ray.serve._private.deployment_info import DeploymentInfo
     from ray.serve._private.deployment_state import ActorReplicaWrapper, DeploymentStateManager
 
     _EMBER_DEPLOYMENTS.add(deployment_id)
@@ -83,6 +93,8 @@ def move_on_at_once(deployment_id: Any) -> bool:
     metrics: Any = AutoscalingStateManager
     for name in ("record_request_metrics_for_handle", "record_columnar_metrics_for_handle"):
         setattr(metrics, name, _deciding_on_demand(getattr(metrics, name)))
+    info: Any = DeploymentInfo
+    info.actor_def = property(_sharing_actor_class(info.actor_def.fget))
     return True
 
 
@@ -214,3 +226,14 @@ def _autoscale_now(app_name: str) -> None:
             app.autoscale()  # a raised target updates the deployments at once (above)
     except Exception:  # as Serve's own step does: the control loop must go on
         logger.exception("autoscaling %s out of step failed", app_name)
+
+
+def _sharing_actor_class(actor_def: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(actor_def)
+    def shared(self: Any) -> Any:
+        if self._cached_actor_def is None:
+            self._cached_actor_def = _ACTOR_CLASSES.get(self.actor_name)
+        made = actor_def(self)
+        _ACTOR_CLASSES[self.actor_name] = made
+        return made
+    return shared

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import inspect
 import threading
 from collections.abc import Iterator
@@ -195,3 +196,25 @@ def test_a_report_of_a_request_at_zero_runs_the_autoscaling_as_soon_as_the_call_
 
     asyncio.run(controller_calls())
     assert len(recorded) == 6  # Serve recorded every report first
+
+
+def test_the_copies_serve_makes_of_a_deployments_info_share_its_replica_class() -> None:
+    # Serve copies the info on every autoscaling decision; each copy used to make (and Ray
+    # to export: disassemble and pickle) the replicas' actor class again.
+    from ray.serve._private.config import DeploymentConfig, ReplicaConfig
+    from ray.serve._private.deployment_info import DeploymentInfo
+
+    class Model:
+        pass
+
+    assert ray_controller.move_on_at_once("a")
+    info = DeploymentInfo(deployment_config=DeploymentConfig(),
+                          replica_config=ReplicaConfig.create(Model), start_time_ms=0,
+                          deployer_job_id="job", actor_name="ServeReplica:app:Model")
+    first = info.actor_def
+    assert copy.copy(info).actor_def is first
+    assert copy.copy(copy.copy(info)).actor_def is first
+    other = DeploymentInfo(deployment_config=DeploymentConfig(),
+                           replica_config=ReplicaConfig.create(Model), start_time_ms=0,
+                           deployer_job_id="job", actor_name="ServeReplica:app:Other")
+    assert other.actor_def is not first  # one class per name

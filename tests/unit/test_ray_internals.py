@@ -67,6 +67,7 @@ def _breaks() -> list[tuple[str, str, str]]:
          "DeploymentStateManager"),
         ("controller_hooks", "ray.serve._private.autoscaling_state",
          "AutoscalingStateManager"),
+        ("controller_hooks", "ray.serve._private.deployment_info", "DeploymentInfo"),
         ("fresh_push_at_zero", "ray.serve._private.router",
          "RouterMetricsManager.push_autoscaling_metrics_to_controller"),
     ]

@@ -222,7 +222,23 @@ def _check_controller_hooks() -> str | None:
     if deployments < 0 or applications < deployments or "self._proxy_nodes" not in source:
         return ("ServeController.run_control_loop_step no longer updates deployments "
                 "(with self._proxy_nodes) before applications")
-    return _check_replica_start_polls(state_module) or _check_demand_reports()
+    return (_check_replica_start_polls(state_module) or _check_demand_reports()
+            or _check_actor_class_cache())
+
+
+def _check_actor_class_cache() -> str | None:
+    """``DeploymentInfo.actor_def``: a class made from the actor name alone, cached on the
+    info (``ray_controller`` shares it between the copies Serve makes of an info)."""
+    module = "ray.serve._private.deployment_info"
+    gone = _missing(module, "DeploymentInfo")
+    if gone:
+        return gone
+    actor_def = getattr(importlib.import_module(module).DeploymentInfo, "actor_def", None)
+    source = inspect.getsource(actor_def.fget) if isinstance(actor_def, property) else ""
+    if ("self._cached_actor_def is None" not in source or "self.actor_name," not in source
+            or "(ReplicaActor,)" not in source):
+        return "DeploymentInfo.actor_def no longer caches a class made from the actor name"
+    return None
 
 
 def _check_demand_reports() -> str | None:
