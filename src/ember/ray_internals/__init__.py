@@ -67,9 +67,12 @@ controller_hooks       ``DeploymentStateManager.autoscale``/          degrade: a
                        StateManager.record_*_for_handle`` (the
                        report's ``queued_requests``/``q_val``) and
                        ``ApplicationStateManager._application_
-                       states``' ``autoscale``: Serve decides and
-                       acts on a scale-up and a starting replica a
-                       loop later; ``ray_controller`` at once
+                       states``' ``autoscale``; ``DeploymentInfo.
+                       actor_def`` (cached per name): Serve decides
+                       and acts on a scale-up and a starting replica
+                       a loop later, and re-exports the replicas'
+                       class on each scale-up; ``ray_controller``
+                       acts at once and keeps one class per name
 dashboard_address      the key under which Ray stores its dashboard's degrade: status
                        address (``ray_constants.DASHBOARD_ADDRESS``)  omits the dashboard
 driver_signal_handlers ``set_sigterm_handler`` and ``CoreWorker``,     degrade: a signal
