@@ -234,7 +234,8 @@ def _check_actor_class_cache() -> str | None:
     if gone:
         return gone
     actor_def = getattr(importlib.import_module(module).DeploymentInfo, "actor_def", None)
-    source = inspect.getsource(actor_def.fget) if isinstance(actor_def, property) else ""
+    made = actor_def.fget if isinstance(actor_def, property) else None
+    source = inspect.getsource(made) if made is not None else ""
     if ("self._cached_actor_def is None" not in source or "self.actor_name," not in source
             or "(ReplicaActor,)" not in source):
         return "DeploymentInfo.actor_def no longer caches a class made from the actor name"
