@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,22 +199,65 @@ class _Clock:
         return self.waits == 0  # True: stop
 
 
-def test_a_worker_taken_while_the_count_backs_off_is_refilled_no_later_than_before(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grace before a refill runs from the last count that still saw the worker, so a
-    count backed off to 4 s does not add its period to the refill."""
+def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
+                  busy: Callable[[float], float]) -> list[tuple[int, float]]:
+    """Run a refiller keeping 2 idle workers on a fake clock over ``counts`` (one a count);
+    ``busy(t)`` is the node's busy share at time ``t``. Returns (workers, t) per prestart."""
     from types import SimpleNamespace
 
     from ember.control import warm_runtime
 
-    counts = iter([2, 2, 2, 2, 1, 2, 2])  # one worker taken between t=7 s and t=11 s
-    clock, prestarted = _Clock(waits=7), []
-    monkeypatch.setattr(warm_runtime, "idle_workers", lambda: next(counts))
+    left = iter(counts)
+    clock, prestarted = _Clock(waits=len(counts)), []
+    used = {"t": 0.0, "busy_s": 0.0}
+
+    def cpu_seconds() -> tuple[float, float]:  # two cores: 2 s of CPU time a second
+        # The share since the last call is the one at that call's time.
+        used["busy_s"] += busy(used["t"]) * 2 * (clock.now - used["t"])
+        used["t"] = clock.now
+        return used["busy_s"], 2 * clock.now
+
+    monkeypatch.setattr(warm_runtime, "idle_workers", lambda: next(left))
     monkeypatch.setattr(warm_runtime, "prestart", lambda n: prestarted.append((n, clock.now)))
     monkeypatch.setattr(warm_runtime, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(warm_runtime, "cpu_seconds", cpu_seconds)
     refiller = warm_runtime.Refiller(idle=2)
     monkeypatch.setattr(refiller, "_stop", SimpleNamespace(wait=clock.wait))
     refiller._run()
+    return prestarted
+
+
+def test_a_worker_taken_while_the_count_backs_off_is_refilled_no_later_than_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grace before a refill runs from the last count that still saw the worker, so a
+    count backed off to 4 s does not add its period to the refill."""
+    # One worker taken between t=7 s and t=11 s, on an idle node.
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, 1, 1, 2], busy=lambda t: 0.1)
     # Counted at 0, 1, 3, 7 (backing off), then 11: missing since at most t=7, so the 3 s
-    # grace is over and the worker is started at once, not at t=14.
-    assert prestarted == [(1, 11.0)]
+    # grace is over; the cores are judged over the second after the count that found it
+    # missing (the 4 s before say little of now), so it is started at t=12, not at t=14.
+    assert prestarted == [(1, 12.0)]
+
+
+def test_a_refill_judges_the_cores_after_the_worker_went_not_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backed-off count spans 4 idle seconds; the cold start that took the worker began
+    just before the count that finds it missing. Its busy cores defer the refill."""
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, 1, 1, 1, 1, 2, 2],
+                               busy=lambda t: 0.95 if 10.5 <= t < 13 else 0.1)
+    # The share over (7, 11] is mostly idle, but (11, 12] and (12, 13] are busy.
+    assert prestarted == [(1, 14.0)]
+
+
+def test_a_refill_waits_while_the_cold_start_that_took_the_worker_keeps_the_cores_busy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the grace, a node whose cores are busy (a replica still loading its weights)
+    gets its new worker only once they quieten; and at most 20 s after it went missing."""
+    # Taken between t=7 and t=11; the cores are busy until t=15, then idle.
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 2, 2],
+                               busy=lambda t: 0.95 if t < 15 else 0.1)
+    # Counted at 11, 12, 13, 14, 15 (busy throughout), 16: the share since t=15 is idle.
+    assert prestarted == [(1, 16.0)]
+    # A node that stays busy gets it 20 s after the last count that saw the worker (t=7).
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, *[1] * 17, 2, 2], busy=lambda t: 0.95)
+    assert prestarted == [(1, 27.0)]

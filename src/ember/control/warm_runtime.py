@@ -25,7 +25,8 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
   A worker that became a replica (or an edge, or a task) is gone from the idle set, so
   :class:`Refiller` tops the node's idle workers back up (it counts them every second, less
-  often while the count stands still).
+  often while the count stands still), once the cold start that took one is likely past
+  (:func:`refill_due`).
 
 Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
 it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
@@ -59,6 +60,12 @@ _STEADY_REFILL_EVERY_S = 4.0
 #: saw it): a new worker importing torch competes for the cores with the cold start that
 #: just took the old one.
 _REFILL_AFTER_S = 3.0
+#: ...and, past that grace, not while the node's cores are at least this busy: a cold start
+#: loading its weights can outlast the grace (a 2 GB model from the regional store took
+#: 2-4 s here, and the refill, starting 1-2 s in, took 0.6-1.7 s of CPU from it).
+_BUSY_SHARE = 0.6
+#: A busy node defers the refill this long at most (a node busy with traffic still gets it).
+_REFILL_DEFER_MAX_S = 20.0
 
 
 #: What every replica imports whatever the app: Serve's replica actor (1.2 s of imports on
@@ -171,6 +178,53 @@ def _cpu_s(process: Any) -> float:
     return float(times.user + times.system)
 
 
+def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float) -> bool:
+    """Whether to prestart the ``missing`` workers now.
+
+    Args:
+        missing: Idle workers short of ``idle``.
+        idle: How many the node keeps.
+        short_for_s: How long they have been missing, at most (since the last count that
+            saw them all).
+        busy_share: How busy the node's cores were since the last count, 0 to 1.
+
+    Example:
+        >>> refill_due(1, 2, short_for_s=4.0, busy_share=0.9)  # a cold start still loading
+        False
+        >>> refill_due(1, 2, short_for_s=4.0, busy_share=0.2)
+        True
+        >>> refill_due(2, 2, short_for_s=0.0, busy_share=0.9)  # none left for the next one
+        True
+    """
+    if missing <= 0:
+        return False
+    if missing >= idle or short_for_s >= _REFILL_DEFER_MAX_S:
+        return True
+    return short_for_s >= _REFILL_AFTER_S and busy_share < _BUSY_SHARE
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """The node's busy and total CPU seconds so far, all cores (``/proc/stat`` on Linux)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    total = sum(times)
+    return total - idle, total
+
+
+class _BusyMeter:
+    """How busy the node's cores were between two calls of :meth:`share`."""
+
+    def __init__(self) -> None:
+        self._last = cpu_seconds()
+
+    def share(self) -> float:
+        busy, total = cpu_seconds()
+        (last_busy, last_total), self._last = self._last, (busy, total)
+        return (busy - last_busy) / (total - last_total) if total > last_total else 0.0
+
+
 class Refiller:
     """Keeps ``idle`` workers idle or starting on the node: the ones new replicas take.
 
@@ -211,6 +265,7 @@ class Refiller:
     def _run(self) -> None:
         short_since: float | None = None
         period, last, counted_at = _REFILL_EVERY_S, None, time.monotonic()
+        busy = _BusyMeter()
         while True:
             try:
                 missing = self.idle - idle_workers()
@@ -219,10 +274,16 @@ class Refiller:
                 now, last = time.monotonic(), missing
                 # A worker found missing may have been taken any time since the last count:
                 # the grace runs from then, so a backed-off count does not delay the refill.
+                seen_before = short_since is not None
                 short_since = (short_since or counted_at) if missing > 0 else None
                 counted_at = now
-                if short_since is not None and (now - short_since >= _REFILL_AFTER_S
-                                                or missing == self.idle):
+                share = busy.share()
+                if short_since is not None and not seen_before:
+                    # That share is mostly from before the worker went (a backed-off count
+                    # spans 4 s): the next count, a second on, says what the cores do now.
+                    share = 1.0
+                if short_since is not None and refill_due(missing, self.idle,
+                                                          now - short_since, share):
                     prestart(missing)
                     short_since = None
                 self._failing = False
