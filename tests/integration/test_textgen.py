@@ -4,6 +4,7 @@ the cold-start header and scale to zero."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -70,8 +71,13 @@ def test_the_native_generate_route_streams_server_sent_events(url: str) -> None:
     assert reply.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line.removeprefix("data: ")) for line in reply.text.split("\n\n")
               if line.startswith("data: ")]
-    assert [e["completion_tokens"] for e in events] == list(range(1, len(events) + 1))
-    assert events[-1]["finish_reason"] in ("stop", "length") and len(events) <= 6
+    # One event per step while the reader keeps up; tokens that waited for a reader that fell
+    # behind come merged in one event (the engine's adaptive stream interval). Either way
+    # each event's count is the running total of the tokens the events carried.
+    counts = [e["completion_tokens"] for e in events]
+    assert all(e["tokens"] >= 1 for e in events), events
+    assert counts == list(itertools.accumulate(e["tokens"] for e in events)), events
+    assert events[-1]["finish_reason"] in ("stop", "length") and counts[-1] <= 6
 
 
 def test_bad_fields_get_422_naming_the_field(url: str) -> None:
