@@ -61,8 +61,8 @@ _STEADY_REFILL_EVERY_S = 4.0
 #: just took the old one.
 _REFILL_AFTER_S = 3.0
 #: ...and, past that grace, not while the node's cores are at least this busy: a cold start
-#: loading its weights can outlast the grace (a 2 GB model from the regional store took
-#: 2-4 s here, and the refill, starting 1-2 s in, took 0.6-1.7 s of CPU from it).
+#: loading a large model's weights outlasts the grace, and a worker importing torch beside
+#: it takes seconds of CPU from it.
 _BUSY_SHARE = 0.6
 #: A busy node defers the refill this long at most (a node busy with traffic still gets it).
 _REFILL_DEFER_MAX_S = 20.0
@@ -204,7 +204,8 @@ def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float) -
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """The node's busy and total CPU seconds so far, all cores (``/proc/stat`` on Linux)."""
+    """The node's busy and total CPU seconds so far, all cores (``/proc/stat`` on Linux; in a
+    container, the host's cores: a busy neighbour defers a refill too, up to the cap)."""
     import psutil
 
     times = psutil.cpu_times()
