@@ -70,6 +70,8 @@ def _breaks() -> list[tuple[str, str, str]]:
         ("controller_hooks", "ray.serve._private.deployment_info", "DeploymentInfo"),
         ("fresh_push_at_zero", "ray.serve._private.router",
          "RouterMetricsManager.push_autoscaling_metrics_to_controller"),
+        ("quiet_idle_push", "ray.serve._private.router",
+         "RouterMetricsManager.push_autoscaling_metrics_to_controller"),
     ]
 
 
@@ -97,6 +99,28 @@ def test_a_push_that_no_longer_skips_on_its_pending_ref_is_noticed(
 
     monkeypatch.setattr(checks, "_source", renamed)
     assert "_pending_metrics_push_ref" in (ray_internals.problem("fresh_push_at_zero") or "")
+
+
+def test_quiet_pushes_are_refused_when_skipped_samples_would_go_unpruned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = checks._source
+
+    def unpruned(module: str, attr: str | None = None) -> str:
+        text = real(module, attr)
+        return text.replace("prune_keys_and_compact_data", "compact") if (
+            attr == "RouterMetricsManager") else text
+
+    monkeypatch.setattr(checks, "_source", unpruned)
+    assert "no longer prunes" in (ray_internals.problem("quiet_idle_push") or "")
+
+
+def test_quiet_pushes_are_refused_when_serve_drops_silent_handles_sooner(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.serve._private import constants
+
+    monkeypatch.setattr(constants, "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S",
+                        ray_internals.QUIET_PUSH_KEEPALIVE_S)
+    assert "keep-alive" in (ray_internals.problem("quiet_idle_push") or "")
 
 
 def test_refusing_parts_stop_the_start_with_every_reason(

@@ -25,3 +25,24 @@ def next_interval_s(current_s: float, *, changed: bool, fast_s: float, slow_s: f
     if changed:
         return fast_s
     return min(slow_s, max(fast_s, 2.0 * current_s))
+
+
+def idle_push_due(*, idle: bool, idle_when_pushed: bool, since_push_s: float,
+                  keepalive_s: float) -> bool:
+    """Whether a handle's periodic queue report should go to Serve's controller now.
+
+    A handle reports its queue every ``metrics_interval_s`` (0.25 s for Ember's
+    deployments, so queue-depth scaling reacts fast). While the handle is idle and its last
+    report said so, another report of zeros tells the controller nothing new: it goes only
+    every ``keepalive_s``, so the controller never drops the handle as silent. Any request,
+    queued or running, and the first idle report after one, go at once.
+
+    Example:
+        >>> idle_push_due(idle=True, idle_when_pushed=True, since_push_s=1.0, keepalive_s=4.0)
+        False
+        >>> idle_push_due(idle=True, idle_when_pushed=False, since_push_s=0.25, keepalive_s=4.0)
+        True
+        >>> idle_push_due(idle=False, idle_when_pushed=True, since_push_s=0.25, keepalive_s=4.0)
+        True
+    """
+    return not (idle and idle_when_pushed) or since_push_s >= keepalive_s

@@ -31,6 +31,7 @@ from ember.control.pool import PoolAnswer
 from ember.edge._router_view import (
     assigned,
     push_fresh_demand_at_zero,
+    quiet_idle_pushes,
     running_replicas,
 )
 from ember.edge._router_view import check_now as check_router_view_now
@@ -99,6 +100,7 @@ class Dispatcher:
         gpu_pool_names: frozenset[str] = frozenset(),
     ) -> None:
         push_fresh_demand_at_zero()  # here, in the edge: the process that holds the handles
+        quiet_idle_pushes()
         check_router_view_now()
         self._handles = handles
         grpc = _grpc_transport()

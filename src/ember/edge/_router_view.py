@@ -18,9 +18,11 @@ if they wait.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ember import ray_internals
+from ember.control.backoff import idle_push_due
 
 
 def running_replicas(handle: Any) -> int | None:
@@ -46,6 +48,25 @@ def push_fresh_demand_at_zero() -> bool:
     the handles (the edge); returns False when a Ray upgrade moved what this wraps.
     """
     return ray_internals.wrap_scaled_to_zero_push(ray_internals.push_demand_now)
+
+
+def quiet_idle_pushes() -> bool:
+    """Send an idle handle's queue reports every few seconds instead of every 0.25 s.
+
+    Each of an edge's handles reports its queue to Serve's controller every
+    ``metrics_interval_s`` (0.25 s, so queue-depth scaling reacts fast), busy or not: with
+    two edges and two deployments that is 16 calls a second that the controller handles
+    while the app serves nothing, the largest share of what an idle Ember costs beyond
+    plain Serve (``bench/idle_cpu.py``). A report of zeros after a report of zeros now goes
+    every ``QUIET_PUSH_KEEPALIVE_S``; any request, and the first idle report after it, go
+    at the next tick as before. Installed in the edge; False when a Ray upgrade moved what
+    this reads.
+    """
+    keepalive_s = ray_internals.QUIET_PUSH_KEEPALIVE_S
+    return ray_internals.wrap_quiet_idle_push(
+        lambda idle, was_idle, since_s: idle_push_due(
+            idle=idle, idle_when_pushed=was_idle, since_push_s=since_s, keepalive_s=keepalive_s),
+        time.monotonic)
 
 
 def check_now() -> bool:

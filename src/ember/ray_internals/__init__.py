@@ -58,6 +58,14 @@ fresh_push_at_zero     ``RouterMetricsManager.should_send_scaled_     degrade: c
                        ``_pending_metrics_push_ref`` (skips a push
                        while one is in flight) under
                        ``_metrics_push_lock``
+quiet_idle_push        the same push and ref, ``._add_autoscaling_    degrade: an idle
+                       metrics_point`` pruning the samples, the       handle reports its
+                       report's ``num_queued_requests``, ``num_       zeros every
+                       requests_sent_to_replicas``, ``metrics_        metrics interval
+                       store.data`` (``TimeStampedValue.value``)
+                       and Serve's 10 s handle timeout: an idle
+                       handle's reports of zeros go every 4 s, not
+                       every 0.25 s (``control/backoff``)
 controller_hooks       ``DeploymentStateManager.autoscale``/          degrade: a cold
                        ``update``, ``ActorReplicaWrapper.             start waits up to
                        on_scheduled``/``check_ready`` (their          four control loops
@@ -106,6 +114,7 @@ from ember.ray_internals._access import (
     set_driver_loopback_flag,
     this_node,
     wrap_cold_start_fast_path,
+    wrap_quiet_idle_push,
     wrap_replica_grpc_bind,
     wrap_scaled_to_zero_push,
 )
@@ -113,6 +122,7 @@ from ember.ray_internals._checks import (
     IDLE_WORKER_TITLE,
     INTERNALS,
     LOOPBACK_ENV,
+    QUIET_PUSH_KEEPALIVE_S,
     SERVE_ENV_SWITCHES,
     Internal,
     available,
@@ -125,6 +135,7 @@ __all__ = [
     "IDLE_WORKER_TITLE",
     "INTERNALS",
     "LOOPBACK_ENV",
+    "QUIET_PUSH_KEEPALIVE_S",
     "SERVE_ENV_SWITCHES",
     "Internal",
     "RayInternalsChanged",
@@ -148,6 +159,7 @@ __all__ = [
     "this_node",
     "unread_serve_env_switches",
     "wrap_cold_start_fast_path",
+    "wrap_quiet_idle_push",
     "wrap_replica_grpc_bind",
     "wrap_scaled_to_zero_push",
 ]

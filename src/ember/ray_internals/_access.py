@@ -152,6 +152,57 @@ def push_demand_now(manager: Any) -> None:
     setattr(manager, _DEMAND_PUSH, manager._pending_metrics_push_ref)
 
 
+#: The router's last periodic push that went: (the clock's time, whether it was idle).
+_LAST_PUSH = "_ember_last_push"
+#: What the quiet push asks: ``due`` and ``clock``, as the latest install gave them.
+_QUIET: dict[str, Callable[..., Any]] = {}
+
+
+def wrap_quiet_idle_push(due: Callable[[bool, bool, float], bool],
+                         clock: Callable[[], float]) -> bool:
+    """Have every router's periodic queue report go only when ``due`` says so.
+
+    ``due(idle, idle_when_pushed, since_push_s)`` decides; a router is idle when nothing is
+    queued or running on it and every sample of its look-back window is zero. A push that
+    Ray skips (its last one still in flight) does not count as sent. The wrap is installed
+    once per process; each call replaces ``due`` and ``clock``. Returns False (and changes
+    nothing) when Ray moved what this reads.
+    """
+    if not available("quiet_idle_push"):
+        return False
+    from ray.serve._private.router import RouterMetricsManager
+
+    _QUIET.update(due=due, clock=clock)
+    manager: Any = RouterMetricsManager
+    original: Callable[[Any], None] = manager.push_autoscaling_metrics_to_controller
+    if getattr(original, "__ember_wrapped__", False):
+        return True
+
+    def wrapped(self: Any) -> None:
+        idle, now = _router_idle(self), _QUIET["clock"]()
+        last: tuple[float, bool] | None = getattr(self, _LAST_PUSH, None)
+        if last is not None and not _QUIET["due"](idle, last[1], now - last[0]):
+            return
+        before = self._pending_metrics_push_ref
+        original(self)
+        if self._pending_metrics_push_ref is not before:  # it went
+            setattr(self, _LAST_PUSH, (now, idle))
+
+    wrapped.__ember_wrapped__ = True  # type: ignore[attr-defined]
+    manager.push_autoscaling_metrics_to_controller = wrapped
+    return True
+
+
+def _router_idle(manager: Any) -> bool:
+    try:
+        if manager.num_queued_requests or any(manager.num_requests_sent_to_replicas.values()):
+            return False
+        return all(point.value == 0 for series in list(manager.metrics_store.data.values())
+                   for point in series)
+    except RuntimeError:  # a dict changed while read (another thread): report as Ray would
+        return False
+
+
 def prestart_workers(count: int, keep_alive_s: int) -> None:
     """Ask this node's raylet to start ``count`` idle Python workers of this job now.
 

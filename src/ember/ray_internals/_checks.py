@@ -18,6 +18,9 @@ logger = logging.getLogger("ember.ray_internals")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 #: The title Ray gives a registered worker that runs nothing.
 IDLE_WORKER_TITLE = "ray::IDLE"
+#: An idle handle's queue report goes to Serve's controller at least this often (see
+#: ``control/backoff.idle_push_due``); Serve drops a handle silent for 10 s.
+QUIET_PUSH_KEEPALIVE_S = 4.0
 #: Serve's switches that Ember sets on the clusters it starts (see cluster/runtime.py).
 SERVE_ENV_SWITCHES = (
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
@@ -202,6 +205,34 @@ def _check_fresh_push_at_zero() -> str | None:
     return None
 
 
+def _check_quiet_idle_push() -> str | None:
+    from ray.serve._private import constants
+
+    found = _check_fresh_push_at_zero()  # the push and its in-flight ref, as checked there
+    if found is not None:
+        return found
+    record = _source("ray.serve._private.router", "RouterMetricsManager").split(
+        "def _add_autoscaling_metrics_point", 1)[-1].split("\n    def ", 1)[0]
+    if "prune_keys_and_compact_data" not in record:
+        # Skipped pushes would leave the samples unpruned: the store would grow unbounded.
+        return "RouterMetricsManager._add_autoscaling_metrics_point no longer prunes"
+    report = _source("ray.serve._private.router", "RouterMetricsManager").split(
+        "def _get_metrics_report", 1)[-1].split("\n    def ", 1)[0]
+    for attr in ("self.num_queued_requests", "self.num_requests_sent_to_replicas",
+                 "self.metrics_store.data"):
+        if attr not in report:
+            return f"RouterMetricsManager's report no longer reads {attr}"
+    fields = getattr(importlib.import_module("ray.serve._private.metrics_utils"),
+                     "TimeStampedValue", None)
+    if "value" not in getattr(fields, "__dataclass_fields__", {}):
+        return "TimeStampedValue.value is gone"
+    timeout = getattr(constants, "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S", None)
+    if not isinstance(timeout, int | float) or timeout < 2 * QUIET_PUSH_KEEPALIVE_S:
+        # A handle silent for the keep-alive would be dropped as stale by the controller.
+        return "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S is gone or under twice the keep-alive"
+    return None
+
+
 def _check_controller_hooks() -> str | None:
     controller_module, state_module = "ray.serve._private.controller", \
         "ray.serve._private.deployment_state"
@@ -314,6 +345,7 @@ INTERNALS = (
     Internal("grpc_by_value", "degrade", _check_grpc_by_value),
     Internal("router_view", "degrade", _check_router_view),
     Internal("fresh_push_at_zero", "degrade", _check_fresh_push_at_zero),
+    Internal("quiet_idle_push", "degrade", _check_quiet_idle_push),
     Internal("controller_hooks", "degrade", _check_controller_hooks),
     Internal("dashboard_address", "degrade", _check_dashboard_address),
     Internal("driver_signal_handlers", "degrade", _check_driver_signal_handlers),
