@@ -3,8 +3,9 @@
 A Ray release that renames, drops or stops honouring one of them fails here; the last two
 tests change Ray on purpose (in a subprocess) and see the embedded cluster refuse to start.
 The cold-start fast path and the router's cold-start push run through Ray's own code in
-tests/unit/test_ray_policy.py and tests/unit/http/test_router_view.py; the replica's gRPC
-bind across a whole app in test_listeners.py; the preloading raylet in tests/e2e.
+tests/unit/test_ray_policy.py and tests/unit/http/test_router_view.py (so do the quiet idle
+pushes, whose effect is counted here live, by the controller); the replica's gRPC bind
+across a whole app in test_listeners.py; the preloading raylet in tests/e2e.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +77,45 @@ def test_serve_reads_each_switch_in_the_replica_and_the_bind_is_narrowed(
     # Serve's control loop runs at Ray's own period unless the operator set one.
     loop = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
     assert controller.environ().get(loop) == os.environ.get(loop)
+
+
+def _handle_reports(app: str, deployment: str) -> float:
+    """How many handle reports Serve's controller took in for ``deployment``: the count of
+    its ``serve_autoscaling_handle_metrics_delay_ms`` histogram (one sample per report), from
+    the node's metrics agent (Ray exports a process's metrics every few seconds)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n.get("Alive")]
+    total = 0.0
+    for port in ports:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        total += sum(s.value for family in text_string_to_metric_families(text)
+                     for s in family.samples
+                     if s.name == "ray_serve_autoscaling_handle_metrics_delay_ms_count"
+                     and s.labels.get("application") == app
+                     and s.labels.get("deployment") == deployment)
+    return total
+
+
+def test_serves_controller_hears_an_idle_deployments_handles_every_few_seconds(
+        serve_app: Any) -> None:
+    # Two edges, each with a handle to Quiet: reporting every 0.25 s tick, 30 s idle bring
+    # the controller about 240 reports; a 4 s keep-alive brings it about 16.
+    app = internals.quiet_app
+    with serve_app(app) as url:
+        import httpx
+
+        assert httpx.post(f"{url}/quiet", json={"text": "hi"}, timeout=30).status_code == 200
+        wait_for(lambda: _handle_reports(app.name, "Quiet") > 0, 60,
+                 what="the controller's count of handle reports, exported")
+        time.sleep(3)  # the request's samples leave the 1 s look-back window
+        first = _handle_reports(app.name, "Quiet")
+        time.sleep(30)
+        heard = _handle_reports(app.name, "Quiet") - first
+        # The same app answers a request at once, quiet or not.
+        assert httpx.post(f"{url}/quiet", json={"text": "again"}, timeout=30).status_code == 200
+    assert heard < 60, f"{heard:.0f} handle reports in 30 s of idle"
 
 
 def test_the_raylet_prestarts_idle_workers_on_request(ray_cluster: None) -> None:

@@ -1,4 +1,5 @@
-"""A plain Serve deployment that reports what Ray's private switches did inside its replica."""
+"""A plain Serve deployment that reports what Ray's private switches did inside its replica, and an
+Ember app whose handles go quiet."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import gc
 import os
 from typing import Any
 
+from pydantic import BaseModel
 from ray import serve
 
+import ember
 from ember import ray_internals
 
 
@@ -33,3 +36,18 @@ class Probe:
             "bind_wrapped": getattr(getattr(replica, "add_port_to_grpc_server"),  # noqa: B009
                                     "__ember_wrapped__", False),
         }
+
+
+class QuietIn(BaseModel):
+    text: str
+
+
+@ember.deployment(route="/quiet", warm_floor=1, num_cpus=0.05)
+class Quiet:
+    """An Ember deployment nobody calls after its first request: its handles go quiet."""
+
+    async def __call__(self, body: QuietIn) -> QuietIn:
+        return body
+
+
+quiet_app = ember.App([Quiet], name="quiet-pushes", warm_pool=0)
