@@ -86,7 +86,8 @@ def _handle_reports(app: str, deployment: str) -> float:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    ports = [n["MetricsExportPort"] for n in ray.nodes() if n.get("Alive")]
+    ports = [n["MetricsExportPort"] for n in ray.nodes()  # type: ignore[no-untyped-call]
+             if n.get("Alive")]
     total = 0.0
     for port in ports:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
