@@ -56,8 +56,8 @@ def quiet_idle_pushes() -> bool:
     Each of an edge's handles reports its queue to Serve's controller every
     ``metrics_interval_s`` (0.25 s, so queue-depth scaling reacts fast), busy or not: with
     two edges and two deployments that is 16 calls a second that the controller handles
-    while the app serves nothing, the largest share of what an idle Ember costs beyond
-    plain Serve (``bench/idle_cpu.py``). A report of zeros after a report of zeros now goes
+    while the app serves nothing, a large part of what an idle Ember costs beyond plain
+    Serve (``bench/idle_cpu.py``). A report of zeros after a report of zeros now goes
     every ``QUIET_PUSH_KEEPALIVE_S``; any request, and the first idle report after it, go
     at the next tick as before. Installed in the edge; False when a Ray upgrade moved what
     this reads.

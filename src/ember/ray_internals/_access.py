@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -154,8 +155,15 @@ def push_demand_now(manager: Any) -> None:
 
 #: The router's last periodic push that went: (the clock's time, whether it was idle).
 _LAST_PUSH = "_ember_last_push"
-#: What the quiet push asks: ``due`` and ``clock``, as the latest install gave them.
-_QUIET: dict[str, Callable[..., Any]] = {}
+
+
+def _always_due(idle: bool, idle_when_pushed: bool, since_push_s: float) -> bool:
+    return True  # Ray's own behaviour, until an install gives the rule
+
+
+#: What the quiet push asks, as the latest install gave them: whether a push is due, and when.
+_quiet_due: Callable[[bool, bool, float], bool] = _always_due
+_quiet_clock: Callable[[], float] = time.monotonic
 
 
 def wrap_quiet_idle_push(due: Callable[[bool, bool, float], bool],
@@ -172,20 +180,23 @@ def wrap_quiet_idle_push(due: Callable[[bool, bool, float], bool],
         return False
     from ray.serve._private.router import RouterMetricsManager
 
-    _QUIET.update(due=due, clock=clock)
+    global _quiet_due, _quiet_clock
+    _quiet_due, _quiet_clock = due, clock
     manager: Any = RouterMetricsManager
     original: Callable[[Any], None] = manager.push_autoscaling_metrics_to_controller
     if getattr(original, "__ember_wrapped__", False):
         return True
 
     def wrapped(self: Any) -> None:
-        idle, now = _router_idle(self), _QUIET["clock"]()
+        idle, now = _router_idle(self), _quiet_clock()
         last: tuple[float, bool] | None = getattr(self, _LAST_PUSH, None)
-        if last is not None and not _QUIET["due"](idle, last[1], now - last[0]):
+        if last is not None and not _quiet_due(idle, last[1], now - last[0]):
             return
         before = self._pending_metrics_push_ref
         original(self)
-        if self._pending_metrics_push_ref is not before:  # it went
+        # Ray skips a push while its last is in flight, and then leaves the ref as it was:
+        # only a new ref means a report left, and only a report that left starts the wait.
+        if self._pending_metrics_push_ref is not before:
             setattr(self, _LAST_PUSH, (now, idle))
 
     wrapped.__ember_wrapped__ = True  # type: ignore[attr-defined]
@@ -199,7 +210,9 @@ def _router_idle(manager: Any) -> bool:
             return False
         return all(point.value == 0 for series in list(manager.metrics_store.data.values())
                    for point in series)
-    except RuntimeError:  # a dict changed while read (another thread): report as Ray would
+    except Exception:
+        # A dict changed while read (another thread), or a field moved since the check ran:
+        # call the router busy, so the report goes as Ray would send it. Never stop pushes.
         return False
 
 

@@ -16,6 +16,7 @@ from ray.serve._private.router import RouterMetricsManager
 from ember import ray_internals
 from ember.control.backoff import idle_push_due
 from ember.edge._router_view import push_fresh_demand_at_zero, quiet_idle_pushes
+from ember.ray_internals import _access
 
 
 class _Metric:
@@ -137,6 +138,10 @@ def _fake_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray's samples and the wrap read one fake clock; each push has reached the controller
     by the next tick (no Ray to ask here)."""
     monkeypatch.setattr(router, "time", SimpleNamespace(time=_CLOCK, monotonic=_CLOCK))
+    # The wrap keeps the rule and clock of the latest install, process-wide: put back what
+    # was there, so no later test's pushes read this fake clock.
+    monkeypatch.setattr(_access, "_quiet_due", _access._quiet_due)
+    monkeypatch.setattr(_access, "_quiet_clock", _access._quiet_clock)
     monkeypatch.setattr(router, "check_obj_ref_ready_nowait", lambda ref: True)
 
 
