@@ -80,6 +80,9 @@ def test_a_removed_private_part_is_noticed(monkeypatch: pytest.MonkeyPatch, name
                                            module: str, attr: str) -> None:
     import importlib
 
+    # Loaded first, as in a running process: importing it after the delete fails on its own
+    # imports, and the check would report the controller gone instead of the part removed.
+    importlib.import_module("ray.serve._private.controller")
     *owners, last = attr.split(".")  # a dotted attribute: one of a class in the module
     target = importlib.import_module(module)
     for owner in owners:
@@ -112,6 +115,65 @@ def test_quiet_pushes_are_refused_when_skipped_samples_would_go_unpruned(
 
     monkeypatch.setattr(checks, "_source", unpruned)
     assert "no longer prunes" in (ray_internals.problem("quiet_idle_push") or "")
+
+
+def _report_source_edited(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    real = checks._source
+
+    def edited(module: str, attr: str | None = None) -> str:
+        text = real(module, attr)
+        return text.replace(old, new) if attr == "RouterMetricsManager" else text
+
+    monkeypatch.setattr(checks, "_source", edited)
+
+
+def test_quiet_pushes_are_refused_when_the_report_stops_reading_a_judged_field(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _report_source_edited(monkeypatch, "self.num_queued_requests", "self.queue_length")
+    found = ray_internals.problem("quiet_idle_push") or ""
+    assert "no longer reads self.num_queued_requests" in found
+
+
+def test_quiet_pushes_are_refused_when_the_report_reads_a_field_they_do_not_judge(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new load figure in the report: the wrap would call a router idle that is not.
+    _report_source_edited(monkeypatch, "timestamp=timestamp,",
+                          "timestamp=timestamp, pending=self.num_pending_streams,")
+    assert "now reads num_pending_streams" in (ray_internals.problem("quiet_idle_push") or "")
+
+
+def test_quiet_pushes_are_refused_when_the_report_builder_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.serve._private.router import RouterMetricsManager
+
+    monkeypatch.delattr(RouterMetricsManager, "_get_metrics_report")
+    assert "_get_metrics_report is gone" in (ray_internals.problem("quiet_idle_push") or "")
+
+
+def test_quiet_pushes_are_refused_when_a_sample_has_no_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from ray.serve._private import metrics_utils
+
+    @dataclasses.dataclass
+    class Renamed:
+        timestamp: float
+        amount: float
+
+    monkeypatch.setattr(metrics_utils, "TimeStampedValue", Renamed)
+    assert "TimeStampedValue.value is gone" in (ray_internals.problem("quiet_idle_push") or "")
+
+
+def test_a_router_whose_fields_moved_is_called_busy_so_its_reports_still_go() -> None:
+    from types import SimpleNamespace
+
+    from ember.ray_internals import _access
+
+    assert _access._router_idle(SimpleNamespace()) is False  # AttributeError: never quiet
+    idle = SimpleNamespace(num_queued_requests=0, num_requests_sent_to_replicas={},
+                           metrics_store=SimpleNamespace(data={}))
+    assert _access._router_idle(idle) is True
 
 
 def test_quiet_pushes_are_refused_when_serve_drops_silent_handles_sooner(

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -205,6 +206,23 @@ def _check_fresh_push_at_zero() -> str | None:
     return None
 
 
+#: What Serve's handle report reads from its router: names and config, and the three fields
+#: the quiet push judges idleness by (``_access._router_idle``).
+_REPORT_FIELDS_JUDGED = frozenset({
+    "_deployment_id", "_handle_id", "_handle_source", "_self_actor_id", "autoscaling_config",
+    "metrics_store", "num_queued_requests", "num_requests_sent_to_replicas"})
+
+
+def _method(class_source: str, name: str) -> str:
+    """The text of one method in a class's source, up to the next member, async ones too."""
+    body = class_source.split(f"def {name}(", 1)[-1]
+    return re.split(r"\n    (?:async def |def |@)", body, maxsplit=1)[0]
+
+
+def _router_metrics_manager() -> Any:
+    return importlib.import_module("ray.serve._private.router").RouterMetricsManager
+
+
 def _check_quiet_idle_push() -> str | None:
     from ray.serve._private import constants
 
@@ -216,12 +234,19 @@ def _check_quiet_idle_push() -> str | None:
     if "prune_keys_and_compact_data" not in record:
         # Skipped pushes would leave the samples unpruned: the store would grow unbounded.
         return "RouterMetricsManager._add_autoscaling_metrics_point no longer prunes"
-    report = _source("ray.serve._private.router", "RouterMetricsManager").split(
-        "def _get_metrics_report", 1)[-1].split("\n    def ", 1)[0]
+    if not callable(getattr(_router_metrics_manager(), "_get_metrics_report", None)):
+        return "RouterMetricsManager._get_metrics_report is gone"
+    report = _method(_source("ray.serve._private.router", "RouterMetricsManager"),
+                     "_get_metrics_report")
     for attr in ("self.num_queued_requests", "self.num_requests_sent_to_replicas",
                  "self.metrics_store.data"):
         if attr not in report:
             return f"RouterMetricsManager's report no longer reads {attr}"
+    # The wrap calls a router idle from these fields alone: a report that reads anything
+    # else might carry a load the wrap cannot see, and a quiet push would drop it.
+    unjudged = set(re.findall(r"self\.(\w+)", report)) - _REPORT_FIELDS_JUDGED
+    if unjudged:
+        return f"RouterMetricsManager's report now reads {', '.join(sorted(unjudged))}"
     fields = getattr(importlib.import_module("ray.serve._private.metrics_utils"),
                      "TimeStampedValue", None)
     if "value" not in getattr(fields, "__dataclass_fields__", {}):
