@@ -25,6 +25,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
 	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10
 	$(BIN)/python -m pytest tests/e2e --durations=10
@@ -32,6 +33,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The peer loaders bench/coldstart_sizes.py times beside Ember's (the `bench` extra): without
 # them a size run records each missing peer as an error instead of its time.
