@@ -43,6 +43,12 @@ def _source(module: str, attr: str | None = None) -> str:
     return inspect.getsource(getattr(obj, attr) if attr else obj)
 
 
+def _method(class_source: str, name: str) -> str:
+    """The text of one method in a class's source, up to the next member, async ones too."""
+    body = class_source.split(f"def {name}(", 1)[-1]
+    return re.split(r"\n    (?:async def |def |@)", body, maxsplit=1)[0]
+
+
 def _params(func: Any) -> list[str]:
     return list(inspect.signature(func).parameters)
 
@@ -196,8 +202,8 @@ def _check_fresh_push_at_zero() -> str | None:
                  "push_autoscaling_metrics_to_controller"):
         if not callable(getattr(manager, attr, None)):
             return f"RouterMetricsManager.{attr} is gone"
-    push = _source("ray.serve._private.router", "RouterMetricsManager").split(
-        "def push_autoscaling_metrics_to_controller", 1)[-1].split("\n    def ", 1)[0]
+    push = _method(_source("ray.serve._private.router", "RouterMetricsManager"),
+                   "push_autoscaling_metrics_to_controller")
     if ("with self._metrics_push_lock:" not in push
             or "if self._pending_metrics_push_ref is not None:" not in push
             or "self._pending_metrics_push_ref = (" not in push):
@@ -213,12 +219,6 @@ _REPORT_FIELDS_JUDGED = frozenset({
     "metrics_store", "num_queued_requests", "num_requests_sent_to_replicas"})
 
 
-def _method(class_source: str, name: str) -> str:
-    """The text of one method in a class's source, up to the next member, async ones too."""
-    body = class_source.split(f"def {name}(", 1)[-1]
-    return re.split(r"\n    (?:async def |def |@)", body, maxsplit=1)[0]
-
-
 def _router_metrics_manager() -> Any:
     return importlib.import_module("ray.serve._private.router").RouterMetricsManager
 
@@ -229,8 +229,8 @@ def _check_quiet_idle_push() -> str | None:
     found = _check_fresh_push_at_zero()  # the push and its in-flight ref, as checked there
     if found is not None:
         return found
-    record = _source("ray.serve._private.router", "RouterMetricsManager").split(
-        "def _add_autoscaling_metrics_point", 1)[-1].split("\n    def ", 1)[0]
+    record = _method(_source("ray.serve._private.router", "RouterMetricsManager"),
+                     "_add_autoscaling_metrics_point")
     if "prune_keys_and_compact_data" not in record:
         # Skipped pushes would leave the samples unpruned: the store would grow unbounded.
         return "RouterMetricsManager._add_autoscaling_metrics_point no longer prunes"
@@ -271,8 +271,7 @@ def _check_controller_hooks() -> str | None:
     if _params(manager.update) != ["self", "proxy_nodes"] or not callable(
             getattr(manager, "get_deployment_target_num_replicas", None)):
         return "DeploymentStateManager.update or get_deployment_target_num_replicas changed"
-    source = _source(controller_module, "ServeController").split(
-        "def run_control_loop_step", 1)[-1].split("\n    def ", 1)[0]
+    source = _method(_source(controller_module, "ServeController"), "run_control_loop_step")
     deployments = source.find("self.deployment_state_manager.update(")
     applications = source.find("self.application_state_manager.update()")
     if deployments < 0 or applications < deployments or "self._proxy_nodes" not in source:
@@ -334,8 +333,7 @@ def _check_replica_start_polls(state_module: str) -> str | None:
             hasattr(statuses, s) for s in ("PENDING_ALLOCATION", "PENDING_INITIALIZATION")):
         return "ActorReplicaWrapper.check_ready/on_scheduled or ReplicaStartupStatus changed"
     replica = _source(state_module, "ActorReplicaWrapper")
-    scheduled = replica.split("def on_scheduled", 1)[-1].split("\n    def ", 1)[0]
-    ready = replica.split("def check_ready", 1)[-1].split("\n    def ", 1)[0]
+    scheduled, ready = _method(replica, "on_scheduled"), _method(replica, "check_ready")
     if "self._allocated_obj_ref = " not in scheduled or not all(
             f"self.{ref}" in ready for ref in ("_allocated_obj_ref", "_ready_obj_ref")):
         return ("ActorReplicaWrapper no longer sets _allocated_obj_ref in on_scheduled or "
