@@ -28,6 +28,11 @@ The cluster's warm-runtime workers preload what ``ember run`` preloads for the a
 deployment's module, with transformers' model code), so ``weights`` is the load itself; each
 trial records the modules its replica still imported in ``setup()`` (``setup_imports``).
 
+Every timed load (trials and peers alike) starts with the node's memory at rest
+(``_sizes_limits.settle``): on a VM that hands freed memory back to its host, a load right
+after another one freed its model reuses that memory for less, and the order of the
+contenders would decide the race.
+
 The S3 ceiling is measured again before each ``regional`` trial (the machine is shared and
 its speed moves); the ``regional`` limit is the median of those measurements.
 
@@ -184,6 +189,7 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
         prefetch(rung.blobs)
     elif path == "regional":
         shutil.rmtree(rung.reg_cache, ignore_errors=True)
+    out["settle_s"] = lim.settle(rung.bytes)
     if path == "second_replica":
         return {**out, **second_replica(rung, base, deadline)}
     route = {"regional": "/lm-r"}.get(path, "/lm")
@@ -211,6 +217,7 @@ def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any
     lease = f"{base}/-/warm/{rung.names['a']}"
     httpx.post(lease, params={"for": "600", "floor": 1}, timeout=30).raise_for_status()
     try:
+        lim.settle(0)  # A's first request may have freed memory as it ran
         # B may meet the worker that replaces A's still importing.
         body, took, phases = post(base + "/lm-b", deadline)
         pss = {}
@@ -246,6 +253,7 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
             shutil.rmtree(scratch, ignore_errors=True)
             options = {**rung.s3_opts, "cache_dir": str(scratch)}
             url = rung.s3_url
+        lim.settle(rung.bytes)  # the peer before it freed a model: see _sizes_limits
         out[name] = peers.load(name, rung.folder, url=url, options=options)
         if left is not None:  # a peer that found pages resident did not load cold
             out[name]["resident_after_drop_bytes"] = left
@@ -400,6 +408,8 @@ def main() -> int:
     deadline = h.install_deadline(args.deadline_s)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
+    first_use = lim.first_use()
+    print(f"memory at first use: {first_use}", flush=True)
     server, endpoint = lim.start_s3()
     work = Path(tempfile.mkdtemp(prefix="ember-sizes-"))
     peers: Peers | None = None
@@ -434,8 +444,10 @@ def main() -> int:
                      "versitygw are not packaged there; s3rver is slower than moto)",
         "config": {"sizes": args.sizes, "trials": args.trials, "paths": paths,
                    "tokens": len(TOKENS),
-                   "preload": preload(), "replica_cpus": _serving.REPLICA_CPUS},
+                   "preload": preload(), "replica_cpus": _serving.REPLICA_CPUS,
+                   "settle_s": {"base": lim.SETTLE_BASE_S, "per_gb": lim.SETTLE_S_PER_GB}},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "memory_first_use": first_use,
     }, short=args.short)
     return 0 if not errors else 1
 
