@@ -8,13 +8,19 @@ the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincor
   maps them, then ``ember.loaders.pages.populate`` with four calls of 64 MiB in flight (the
   earlier setting) or eight of 32 MiB (the default now);
 * ``pread_4``: four plain readers of 16 MiB chunks into fresh buffers (the disk limit that
-  ``bench/coldstart_sizes.py`` measures).
+  ``bench/coldstart_sizes.py`` measures);
+* ``direct_8x16mib``: each file read with ``O_DIRECT`` into a private anonymous buffer,
+  eight 16 MiB reads in flight, each chunk's pages allocated before its read and touched
+  after it, as ``populate`` touches its chunks (fastsafetensors reads the same way on CPU).
 
-Trials alternate the three ways, ``--rounds`` times; GB/s per trial and the median of each
-way go to ``bench/results/page_reads[.short].json``.
+Trials alternate the ways, ``--rounds`` times; GB/s per trial and the median of each way go
+to ``bench/results/page_reads[.short].json``. With ``--at-rest`` every trial first lets the
+memory freed before it come to rest (``_sizes_limits.settle``: on a VM that hands freed
+memory back to its host, a trial right after another reuses its memory for less) and the
+results go to ``page_reads_at_rest[.short].json``.
 
 Usage:
-    .venv/bin/python bench/page_reads.py [--short] [--size 2gb] [--rounds 4]
+    .venv/bin/python bench/page_reads.py [--short] [--size 2gb] [--rounds 4] [--at-rest]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +39,10 @@ import _sizes_limits as lim
 import model_ladder
 import torch
 
-from ember.loaders.pages import populate
+from ember.loaders._reader import anonymous_buffer, buffer_address
+from ember.loaders.pages import populate, prefault, touch
 
-WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4")
+WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4", "direct_8x16mib")
 SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
@@ -55,23 +63,65 @@ def populate_gbps(files: list[Path], workers: int, chunk_bytes: int) -> float:
     return sum(t.numel() for t in flats) / seconds / 1e9
 
 
-def one(way: str, files: list[Path]) -> float:
+def direct_gbps(files: list[Path], workers: int = 8, chunk_bytes: int = 16 << 20) -> float:
+    """GB/s of reading ``files`` with ``O_DIRECT`` into private buffers, from a cold page
+    cache; each chunk's pages allocated before its read and touched after it."""
+    if lim.drop(files):
+        raise RuntimeError("pages stayed resident after the drop")
+    start = time.perf_counter()
+    buffers = []
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        span = (size + 4095) & ~4095  # O_DIRECT reads whole blocks
+        buffer = anonymous_buffer(span)
+        address = buffer_address(buffer)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+
+        def read(offset: int, fd: int = fd, buffer: mmap.mmap = buffer,
+                 address: int = address, span: int = span) -> int:
+            end = min(offset + chunk_bytes, span)
+            prefault(address, offset, end)
+            with memoryview(buffer)[offset:end] as view:
+                got = os.preadv(fd, [view], offset)
+            touch(address + offset, end - offset)
+            return got
+
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                total += sum(pool.map(read, range(0, span, chunk_bytes)))
+        finally:
+            os.close(fd)
+        buffers.append(buffer)
+    seconds = time.perf_counter() - start
+    for buffer in buffers:
+        buffer.close()
+    return total / seconds / 1e9
+
+
+def one(way: str, files: list[Path], at_rest: bool) -> float:
+    if at_rest:
+        lim.settle(sum(p.stat().st_size for p in files))
     if way == "pread_4":
         return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
+    if way == "direct_8x16mib":
+        return direct_gbps(files)
     return populate_gbps(files, *SETTINGS[way])
 
 
 def main() -> int:
     parser = h.parser(__doc__, deadline_s=900)
     parser.add_argument("--size", help="ladder rung (2gb; short 0.5gb)")
-    parser.add_argument("--rounds", type=int, help="rounds of the three ways (4; short 2)")
+    parser.add_argument("--rounds", type=int, help="rounds of the ways (4; short 2)")
+    parser.add_argument("--at-rest", action="store_true",
+                        help="let freed memory come to rest before every trial")
     args = h.pick(parser.parse_args(), size=("2gb", "0.5gb"), rounds=(4, 2))
     h.install_deadline(args.deadline_s)
     files = sorted(model_ladder.ensure(args.size).glob("*.safetensors"))
     trials: dict[str, list[float]] = {way: [] for way in WAYS}
     for i in range(args.rounds):
         for way in WAYS:
-            trials[way].append(round(one(way, files), 3))
+            trials[way].append(round(one(way, files, args.at_rest), 3))
         print(f"round {i}: " + ", ".join(f"{w} {trials[w][-1]} GB/s" for w in WAYS), flush=True)
     h.clear_deadline()
     medians = {way: statistics.median(v) for way, v in trials.items()}
@@ -81,10 +131,14 @@ def main() -> int:
         "ratios": {"populate_8x32mib_over_4x64mib": h.ratio(medians["populate_8x32mib"],
                                                              medians["populate_4x64mib"]),
                    "populate_8x32mib_over_pread_4": h.ratio(medians["populate_8x32mib"],
-                                                            medians["pread_4"])},
+                                                            medians["pread_4"]),
+                   "populate_8x32mib_over_direct_8x16mib": h.ratio(
+                       medians["populate_8x32mib"], medians["direct_8x16mib"])},
+        "at_rest": args.at_rest,
     }
     print(out["ratios"], flush=True)
-    h.write_results("page_reads", out, short=args.short)
+    h.write_results("page_reads_at_rest" if args.at_rest else "page_reads", out,
+                    short=args.short)
     return 0
 
 
