@@ -14,10 +14,11 @@ the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincor
   after it, as ``populate`` touches its chunks (fastsafetensors reads the same way on CPU).
 
 Trials alternate the ways, ``--rounds`` times; GB/s per trial and the median of each way go
-to ``bench/results/page_reads[.short].json``. With ``--at-rest`` every trial first lets the
-memory freed before it come to rest (``_sizes_limits.settle``: on a VM that hands freed
-memory back to its host, a trial right after another reuses its memory for less) and the
-results go to ``page_reads_at_rest[.short].json``.
+to ``bench/results/page_reads[.short].json``. With ``--at-rest`` every trial lets the
+memory its drop freed come to rest before it reads (``_sizes_limits.settle``: on a VM that
+hands freed memory back to its host, a read right after the drop reuses that memory for
+less) and the results go to ``page_reads_at_rest[.short].json``; ``pread_4`` always reads
+at rest, as the ladder's limit does.
 
 Usage:
     .venv/bin/python bench/page_reads.py [--short] [--size 2gb] [--rounds 4] [--at-rest]
@@ -46,10 +47,19 @@ WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4", "direct_8x16mib")
 SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
-def populate_gbps(files: list[Path], workers: int, chunk_bytes: int) -> float:
-    """GB/s of mapping ``files`` and populating every page, from a cold page cache."""
+def cold(files: list[Path], at_rest: bool) -> None:
+    """Drop ``files`` from the page cache; with ``at_rest``, wait until the memory the drop
+    freed is at rest (after the drop: a read right after it would reuse that memory)."""
     if lim.drop(files):
         raise RuntimeError("pages stayed resident after the drop")
+    if at_rest:
+        lim.settle(sum(p.stat().st_size for p in files))
+
+
+def populate_gbps(files: list[Path], workers: int, chunk_bytes: int,
+                  at_rest: bool = False) -> float:
+    """GB/s of mapping ``files`` and populating every page, from a cold page cache."""
+    cold(files, at_rest)
     start = time.perf_counter()
     flats = []
     for path in files:
@@ -63,11 +73,11 @@ def populate_gbps(files: list[Path], workers: int, chunk_bytes: int) -> float:
     return sum(t.numel() for t in flats) / seconds / 1e9
 
 
-def direct_gbps(files: list[Path], workers: int = 8, chunk_bytes: int = 16 << 20) -> float:
+def direct_gbps(files: list[Path], at_rest: bool = False, workers: int = 8,
+                chunk_bytes: int = 16 << 20) -> float:
     """GB/s of reading ``files`` with ``O_DIRECT`` into private buffers, from a cold page
     cache; each chunk's pages allocated before its read and touched after it."""
-    if lim.drop(files):
-        raise RuntimeError("pages stayed resident after the drop")
+    cold(files, at_rest)
     start = time.perf_counter()
     buffers = []
     total = 0
@@ -100,13 +110,11 @@ def direct_gbps(files: list[Path], workers: int = 8, chunk_bytes: int = 16 << 20
 
 
 def one(way: str, files: list[Path], at_rest: bool) -> float:
-    if at_rest:
-        lim.settle(sum(p.stat().st_size for p in files))
-    if way == "pread_4":
+    if way == "pread_4":  # drops, and lets the memory come to rest, itself
         return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
     if way == "direct_8x16mib":
-        return direct_gbps(files)
-    return populate_gbps(files, *SETTINGS[way])
+        return direct_gbps(files, at_rest)
+    return populate_gbps(files, *SETTINGS[way], at_rest=at_rest)
 
 
 def main() -> int:
