@@ -9,6 +9,8 @@ the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincor
   earlier setting) or eight of 32 MiB (the default now);
 * ``pread_4``: four plain readers of 16 MiB chunks into fresh buffers (the disk limit that
   ``bench/coldstart_sizes.py`` measures);
+* ``pread_4_then_populate``: the pages read into the page cache by four plain readers
+  (``prefetch``, through one reused buffer each), then the mapping populated as above;
 * ``direct_8x16mib``: each file read with ``O_DIRECT`` into a private anonymous buffer,
   eight 16 MiB reads in flight, each chunk's pages allocated before its read and touched
   after it, as ``populate`` touches its chunks (fastsafetensors reads the same way on CPU).
@@ -41,9 +43,10 @@ import model_ladder
 import torch
 
 from ember.loaders._reader import anonymous_buffer, buffer_address
-from ember.loaders.pages import populate, prefault, touch
+from ember.loaders.pages import populate, prefault, prefetch, touch
 
-WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4", "direct_8x16mib")
+WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4", "direct_8x16mib",
+        "pread_4_then_populate")
 SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
@@ -57,10 +60,14 @@ def cold(files: list[Path], at_rest: bool) -> None:
 
 
 def populate_gbps(files: list[Path], workers: int, chunk_bytes: int,
-                  at_rest: bool = False) -> float:
-    """GB/s of mapping ``files`` and populating every page, from a cold page cache."""
+                  at_rest: bool = False, read_first: bool = False) -> float:
+    """GB/s of mapping ``files`` and populating every page, from a cold page cache; with
+    ``read_first``, the pages are first read into the page cache by four plain readers
+    (``ember.loaders.pages.prefetch``), so that populate only maps them."""
     cold(files, at_rest)
     start = time.perf_counter()
+    if read_first:
+        prefetch(files, workers=4)
     flats = []
     for path in files:
         with path.open("rb") as f:
@@ -114,6 +121,9 @@ def one(way: str, files: list[Path], at_rest: bool) -> float:
         return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
     if way == "direct_8x16mib":
         return direct_gbps(files, at_rest)
+    if way == "pread_4_then_populate":
+        return populate_gbps(files, *SETTINGS["populate_8x32mib"], at_rest=at_rest,
+                             read_first=True)
     return populate_gbps(files, *SETTINGS[way], at_rest=at_rest)
 
 
@@ -141,7 +151,9 @@ def main() -> int:
                    "populate_8x32mib_over_pread_4": h.ratio(medians["populate_8x32mib"],
                                                             medians["pread_4"]),
                    "populate_8x32mib_over_direct_8x16mib": h.ratio(
-                       medians["populate_8x32mib"], medians["direct_8x16mib"])},
+                       medians["populate_8x32mib"], medians["direct_8x16mib"]),
+                   "pread_4_then_populate_over_populate_8x32mib": h.ratio(
+                       medians["pread_4_then_populate"], medians["populate_8x32mib"])},
         "at_rest": args.at_rest,
     }
     print(out["ratios"], flush=True)
