@@ -38,8 +38,10 @@ from ember.loaders.pages import evict, prefault, resident_bytes
 
 CHUNK = 16 << 20
 S3_RANGE = 8 << 20
-#: The wait before a timed load: a first 2 s pass, then about a second per GB freed before
-#: it (6 GiB freed, 2 GiB allocated: recycled pages after 3 s, returned ones after 6 s).
+#: The wait before a timed load. The kernel hands free memory back in passes 2 s apart, a
+#: bounded share of it per pass, so the wait grows with what was freed; each run's
+#: ``memory_first_use`` shows 1 GiB freed and allocated again after this wait costing what
+#: memory at rest costs.
 SETTLE_BASE_S = 4.0
 SETTLE_S_PER_GB = 1.0
 

@@ -13,7 +13,7 @@ the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincor
   (``prefetch``, through one reused buffer each), then the mapping populated as above;
 * ``direct_8x16mib``: each file read with ``O_DIRECT`` into a private anonymous buffer,
   eight 16 MiB reads in flight, each chunk's pages allocated before its read and touched
-  after it, as ``populate`` touches its chunks (fastsafetensors reads the same way on CPU).
+  after it, as ``populate`` touches its chunks (fastsafetensors' CPU reads use ``O_DIRECT`` too).
 
 Trials alternate the ways, ``--rounds`` times; GB/s per trial and the median of each way go
 to ``bench/results/page_reads[.short].json``. With ``--at-rest`` every trial lets the
