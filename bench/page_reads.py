@@ -1,5 +1,6 @@
 """How fast a cold model's pages come in, by the way they are read: the causal-LM load's
-``populate`` (``MADV_POPULATE_READ`` on a mapping) at two settings, against plain ``pread``.
+``populate`` (``MADV_POPULATE_READ`` on a mapping) at two settings, against plain ``pread``
+and ``O_DIRECT`` reads into private buffers.
 
 On one ladder rung's safetensors files (``bench/model_ladder.py``), every page dropped from
 the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
