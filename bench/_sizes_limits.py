@@ -7,14 +7,15 @@
 * memory at first use: anonymous pages allocated (``MADV_POPULATE_WRITE``) at rest and just
   after the same amount was freed (:func:`first_use`).
 
-Every timed load, and the cold read, first lets the node's memory come to rest
-(:func:`settle`). The VM this is developed on returns free guest memory to its host (the
+Every timed load, and the cold read, first waits the same time for the memory freed before
+it (:func:`settle`). The VM this is developed on returns free guest memory to its host (the
 balloon's free page reporting, in 2 MiB blocks, a pass every 2 s), and the first use of a
 returned page traps to the host: a page freed a moment ago is reused at the cost of zeroing
 it, one returned costs several times more (``first_use`` records both). A load timed right
 after the one before it freed its model would reuse that memory and look faster than one
-timed after a wait, so the order of the contenders would decide between them. At rest is
-what a replica starting on an idle node meets.
+timed after a wait, so the order of the contenders would decide between them. How much the
+VM hands back within the wait varies with its state; the wait makes the conditions the same
+for every contender, and ``first_use`` records what a run met.
 
 The S3-protocol server is moto on loopback in a process of its own, with ranged GETs of
 plain objects served from its stored bytes in O(range) (``_weights_child.shim_ranges``):
@@ -47,7 +48,8 @@ SETTLE_S_PER_GB = 1.0
 
 
 def settle(freed_bytes: int) -> float:
-    """Wait until the memory freed before (about ``freed_bytes``) is back at rest; the wait."""
+    """Give the host time to take back the memory freed before (about ``freed_bytes``);
+    the seconds waited."""
     wait = SETTLE_BASE_S + SETTLE_S_PER_GB * freed_bytes / 1e9
     time.sleep(wait)
     return wait

@@ -28,10 +28,10 @@ The cluster's warm-runtime workers preload what ``ember run`` preloads for the a
 deployment's module, with transformers' model code), so ``weights`` is the load itself; each
 trial records the modules its replica still imported in ``setup()`` (``setup_imports``).
 
-Every timed load (trials and peers alike) starts with the node's memory at rest
-(``_sizes_limits.settle``): on a VM that hands freed memory back to its host, a load right
-after another one freed its model reuses that memory for less, and the order of the
-contenders would decide the race.
+Every timed load (trials and peers alike) first waits the same time for the memory freed
+before it (``_sizes_limits.settle``): on a VM that hands freed memory back to its host, a
+load right after another one freed its model reuses that memory for less, and the order of
+the contenders would decide the race.
 
 The S3 ceiling is measured again before each ``regional`` trial (the machine is shared and
 its speed moves); the ``regional`` limit is the median of those measurements.
