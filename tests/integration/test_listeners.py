@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterator
 
 import httpx
 import psutil
@@ -37,13 +38,19 @@ def _listeners() -> tuple[list[str], int]:
     return found, len(tree)
 
 
-def test_every_socket_of_the_cluster_listens_on_loopback(serve_app: ServeApp) -> None:
+@pytest.fixture(scope="module")
+def url(serve_app: ServeApp) -> Iterator[str]:
+    """One serving of the core app for both tests: each only looks at it."""
+    with serve_app(core.app) as base:
+        yield base
+
+
+def test_every_socket_of_the_cluster_listens_on_loopback(url: str) -> None:
     # The session's cluster with an app served: GCS, raylet, agents, Serve's controller, the
     # edges and model replicas (each with Serve's inter-deployment gRPC server, which binds
     # all interfaces unless Ember narrows it). Serve's HTTP proxy is not started.
-    with serve_app(core.app) as url:
-        assert httpx.post(f"{url}/echo", json={"text": "hi"}, timeout=30).status_code == 200
-        found, processes = _listeners()
+    assert httpx.post(f"{url}/echo", json={"text": "hi"}, timeout=30).status_code == 200
+    found, processes = _listeners()
     assert processes >= 8, f"expected Ray's processes under the test process, saw {processes}"
     assert any(" ray::ServeReplica" in f for f in found), found  # replicas were inspected
     open_doors = [f for f in found if not _is_loopback(f.rsplit(":", 1)[0].split(" ")[-1])]
@@ -51,18 +58,17 @@ def test_every_socket_of_the_cluster_listens_on_loopback(serve_app: ServeApp) ->
     assert not any("ProxyActor" in f for f in found), found
 
 
-def test_two_edge_processes_share_the_apps_port(serve_app: ServeApp) -> None:
+def test_two_edge_processes_share_the_apps_port(url: str) -> None:
     # No single point of failure: the port is held by two processes, each a whole edge.
-    with serve_app(core.app) as url:
-        port = int(url.rsplit(":", 1)[1])
-        found, _ = _listeners()
-        holders = {f.split(" ")[0] for f in found if f.endswith(f":{port}")}
-        assert len(holders) == 2, found
-        answered = set()
-        for _ in range(32):  # new connections spread over the edges
-            answered.add(httpx.get(f"{url}/-/status", timeout=10).json()["edges"]["pid"])
-        assert {str(pid) for pid in answered} == holders
-        # Each edge reads Serve's replica states on its own period; the one answering may
-        # have last read them while its sibling was still starting.
-        wait_for(lambda: httpx.get(f"{url}/-/status", timeout=10).json()["edges"]["running"]
-                 == 2 or None, timeout_s=30, what="both edges counted as running")
+    port = int(url.rsplit(":", 1)[1])
+    found, _ = _listeners()
+    holders = {f.split(" ")[0] for f in found if f.endswith(f":{port}")}
+    assert len(holders) == 2, found
+    answered = set()
+    for _ in range(32):  # new connections spread over the edges
+        answered.add(httpx.get(f"{url}/-/status", timeout=10).json()["edges"]["pid"])
+    assert {str(pid) for pid in answered} == holders
+    # Each edge reads Serve's replica states on its own period; the one answering may have
+    # last read them while its sibling was still starting.
+    wait_for(lambda: httpx.get(f"{url}/-/status", timeout=10).json()["edges"]["running"]
+             == 2 or None, timeout_s=30, what="both edges counted as running")
