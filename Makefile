@@ -18,20 +18,28 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# Three pytest runs, one Ray cluster each: the session cluster of the unit and integration
-# tests; the two-node cluster of tests/integration/test_two_nodes*.py (a process joins one
-# cluster); and the e2e tests, which start `ember run` and so a cluster of its own. Each
-# prints its ten slowest tests, so a run's log says where its time went.
+# Four pytest runs. First, side by side: the unit tests (no cluster, one core) and the
+# two-node cluster's tests (tests/integration/test_two_nodes*.py), which mostly wait on their
+# cluster (under a core on average), so the pair takes about the time of the slower; the unit
+# tests' output is printed after theirs. Then the session cluster of the integration tests,
+# and the e2e tests, which start `ember run` and so a cluster of their own: each alone, as
+# their claims rest on timing (docs/testing.md). Each prints its ten slowest tests, so a
+# run's log says where its time went.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	# Bytecode for the project's own sources, written once: every Ray worker that hosts a
 	# replica or an edge imports ember, and where PYTHONDONTWRITEBYTECODE is set (or the tree
-	# is fresh) each would compile it again, about half a CPU-second apiece.
+	# is fresh) each would compile what it imports again.
 	$(BIN)/python -m compileall -q src tests examples bench loadtests
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests/unit tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
-	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10
+	log=$$(mktemp); \
+	$(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
+	trap 'kill $$unit 2>/dev/null; rm -f $$log' EXIT; \
+	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10; nodes=$$?; \
+	wait $$unit; units=$$?; echo "== tests/unit (run beside the two-node tests)"; cat $$log; \
+	test $$nodes -eq 0 && test $$units -eq 0
+	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
 	$(BIN)/python -m pytest tests/e2e --durations=10
 
 lint: $(STAMP)
