@@ -19,8 +19,10 @@ def build() -> torch.nn.Linear:
     return torch.nn.Linear(SIZE, 4)
 
 
+# A short grace: its own replica never gets a GPU here, and Serve gives a replica it removes
+# before it started the whole grace period (20 s by default) before killing it.
 @ember.deployment(route="/gpu-model", warm_floor=0, max_replicas=1, num_cpus=0.05, num_gpus=1,
-                  preload=True)
+                  preload=True, graceful_shutdown_s=1)
 class GpuModel:
     def setup(self) -> None:
         self.net = build()
