@@ -18,11 +18,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# Four pytest runs. First, side by side: the tests that need no Ray cluster (tests/unit, and
-# the loaders against real origins in tests/integration/loaders), on one core, and the two-node
-# cluster's tests (tests/integration/test_two_nodes*.py), which mostly wait on their cluster
-# (under a core on average), so the pair takes about the time of the slower; the first run's
-# output is printed after theirs. Then the session cluster of the integration tests,
+# Four pytest runs. First, side by side: the unit tests (no cluster, one core) and the
+# two-node cluster's tests (tests/integration/test_two_nodes*.py), which mostly wait on their
+# cluster (under a core on average), so the pair takes about the time of the slower; the unit
+# tests' output is printed after theirs. Then the session cluster of the integration tests,
 # and the e2e tests, which start `ember run` and so a cluster of their own: each alone, as
 # their claims rest on timing (docs/testing.md). Each prints its ten slowest tests, so a
 # run's log says where its time went.
@@ -35,15 +34,12 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	log=$$(mktemp); \
-	$(BIN)/python -m pytest tests/unit tests/integration/loaders --durations=10 -p no:cacheprovider \
-		> $$log 2>&1 & unit=$$!; \
+	$(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
 	trap 'kill $$unit 2>/dev/null; rm -f $$log' EXIT; \
 	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10; nodes=$$?; \
-	wait $$unit; units=$$?; echo "== tests/unit, tests/integration/loaders (beside the two-node tests)"; \
-	cat $$log; \
+	wait $$unit; units=$$?; echo "== tests/unit (run beside the two-node tests)"; cat $$log; \
 	test $$nodes -eq 0 && test $$units -eq 0
-	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' \
-		--ignore=tests/integration/loaders --durations=10
+	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --durations=10
 	$(BIN)/python -m pytest tests/e2e --durations=10
 
 lint: $(STAMP)
