@@ -1,13 +1,15 @@
 """How fast a cold model's pages come in, by the way they are read: the causal-LM load's
-``populate`` (``MADV_POPULATE_READ`` on a mapping) at two settings, against plain ``pread``
-and ``O_DIRECT`` reads into private buffers.
+``populate`` (``MADV_POPULATE_READ`` on a mapping) at two settings and without its sequential
+advice, against plain ``pread`` and ``O_DIRECT`` reads into private buffers.
 
 On one ladder rung's safetensors files (``bench/model_ladder.py``), every page dropped from
 the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
 
 * ``populate_4x64mib`` / ``populate_8x32mib``: the files mapped copy-on-write as a replica
   maps them, then ``ember.loaders.pages.populate`` with four calls of 64 MiB in flight (the
-  earlier setting) or eight of 32 MiB (the default now);
+  earlier setting) or eight of 32 MiB (the default now), file and mapping advised
+  sequential as a replica's are; ``populate_8x32mib_unhinted`` the same without the advice
+  (the loader before it);
 * ``pread_4``: four plain readers of 16 MiB chunks into fresh buffers (the disk limit that
   ``bench/coldstart_sizes.py`` measures);
 * ``pread_4_then_populate``: the pages read into the page cache by four plain readers
@@ -46,8 +48,8 @@ import torch
 from ember.loaders._reader import anonymous_buffer, buffer_address
 from ember.loaders.pages import populate, prefault, prefetch, touch
 
-WAYS = ("populate_4x64mib", "populate_8x32mib", "pread_4", "direct_8x16mib",
-        "pread_4_then_populate")
+WAYS = ("populate_4x64mib", "populate_8x32mib", "populate_8x32mib_unhinted", "pread_4",
+        "direct_8x16mib", "pread_4_then_populate")
 SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
@@ -61,10 +63,12 @@ def cold(files: list[Path], at_rest: bool) -> None:
 
 
 def populate_gbps(files: list[Path], workers: int, chunk_bytes: int,
-                  at_rest: bool = False, read_first: bool = False) -> float:
+                  at_rest: bool = False, read_first: bool = False,
+                  sequential: bool = True) -> float:
     """GB/s of mapping ``files`` and populating every page, from a cold page cache; with
     ``read_first``, the pages are first read into the page cache by four plain readers
-    (``ember.loaders.pages.prefetch``), so that populate only maps them."""
+    (``ember.loaders.pages.prefetch``), so that populate only maps them; without
+    ``sequential``, neither the files nor the mappings are advised sequential."""
     cold(files, at_rest)
     start = time.perf_counter()
     if read_first:
@@ -72,10 +76,12 @@ def populate_gbps(files: list[Path], workers: int, chunk_bytes: int,
     flats = []
     for path in files:
         with path.open("rb") as f:
+            if sequential:  # as MappedFile maps a blob
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             flats.append(torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
                                           dtype=torch.uint8))
     spans = [(t.data_ptr(), t.numel()) for t in flats]
-    if not populate(spans, workers=workers, chunk_bytes=chunk_bytes):
+    if not populate(spans, workers=workers, chunk_bytes=chunk_bytes, sequential=sequential):
         raise RuntimeError("this kernel has no MADV_POPULATE_READ")
     seconds = time.perf_counter() - start
     return sum(t.numel() for t in flats) / seconds / 1e9
@@ -122,6 +128,9 @@ def one(way: str, files: list[Path], at_rest: bool) -> float:
         return float(lim.disk_bandwidth(files)["readers_4"]["gbps"])
     if way == "direct_8x16mib":
         return direct_gbps(files, at_rest)
+    if way == "populate_8x32mib_unhinted":
+        return populate_gbps(files, *SETTINGS["populate_8x32mib"], at_rest=at_rest,
+                             sequential=False)
     if way == "pread_4_then_populate":
         return populate_gbps(files, *SETTINGS["populate_8x32mib"], at_rest=at_rest,
                              read_first=True)
@@ -153,6 +162,8 @@ def main() -> int:
                                                             medians["pread_4"]),
                    "populate_8x32mib_over_direct_8x16mib": h.ratio(
                        medians["populate_8x32mib"], medians["direct_8x16mib"]),
+                   "populate_8x32mib_over_unhinted": h.ratio(
+                       medians["populate_8x32mib"], medians["populate_8x32mib_unhinted"]),
                    "pread_4_then_populate_over_populate_8x32mib": h.ratio(
                        medians["pread_4_then_populate"], medians["populate_8x32mib"])},
         "at_rest": args.at_rest,

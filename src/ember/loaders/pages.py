@@ -48,6 +48,8 @@ _libc.madvise.restype = ctypes.c_int
 #: Linux 5.14's ``MADV_POPULATE_READ``/``_WRITE`` (Python 3.11's ``mmap`` lacks them).
 _POPULATE_READ = 22
 _POPULATE_WRITE = 23
+_MADV_NORMAL = 0
+_MADV_SEQUENTIAL = 2
 _EINVAL = 22
 
 
@@ -134,7 +136,7 @@ def prefetch(paths: Sequence[Path], *, workers: int = 4, chunk_bytes: int = CHUN
 
 
 def populate(spans: Sequence[tuple[int, int]], *, workers: int = POPULATE_WORKERS,
-             chunk_bytes: int = POPULATE_CHUNK_BYTES) -> bool:
+             chunk_bytes: int = POPULATE_CHUNK_BYTES, sequential: bool = True) -> bool:
     """Map every page of each ``(address, length)`` span of this process's file mappings,
     reading the ones not in the page cache; ``False`` where the kernel cannot (before Linux
     5.14, or not Linux), and the caller then reads with :func:`prefetch` instead.
@@ -142,7 +144,9 @@ def populate(spans: Sequence[tuple[int, int]], *, workers: int = POPULATE_WORKER
     Unlike :func:`prefetch`, nothing is copied: the kernel reads straight into the page
     cache and maps those pages into the spans, so the model's first forward takes no page
     faults and no throwaway buffer costs a memcpy per byte. Chunks go to ``workers``
-    threads in span order; ctypes releases the GIL for each call.
+    threads in span order; ctypes releases the GIL for each call. With ``sequential`` the
+    spans are advised ``MADV_SEQUENTIAL`` while they are read (see :func:`_advise`), and
+    ``MADV_NORMAL`` after; ``bench/page_reads.py`` turns it off to time the difference.
 
     Raises:
         OSError: the kernel could not bring a page in (an I/O error, a truncated file).
@@ -151,14 +155,35 @@ def populate(spans: Sequence[tuple[int, int]], *, workers: int = POPULATE_WORKER
             for end in [address + length] for a in range(address, end, chunk_bytes)]
     if sys.platform != "linux" or not jobs:
         return sys.platform == "linux"
-    if (errno := _populate_read(*jobs[0])) == _EINVAL:  # older than MADV_POPULATE_READ
-        return False
-    if not errno:
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ember-populate") as pool:
-            errno = next((e for e in pool.map(lambda j: _populate_read(*j), jobs[1:]) if e), 0)
+    if sequential:
+        _advise(spans, _MADV_SEQUENTIAL)
+    try:
+        if (errno := _populate_read(*jobs[0])) == _EINVAL:  # older than MADV_POPULATE_READ
+            return False
+        if not errno:
+            with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ember-populate") as p:
+                errno = next((e for e in p.map(lambda j: _populate_read(*j), jobs[1:]) if e), 0)
+    finally:
+        # A sequential mapping's pages lose their recency when unmapped and go first under
+        # memory pressure: right for one pass, wrong for weights read on every forward.
+        if sequential:
+            _advise(spans, _MADV_NORMAL)
     if errno:
         raise OSError(errno, f"MADV_POPULATE_READ failed: {os.strerror(errno)}")
     return True
+
+
+def _advise(spans: Sequence[tuple[int, int]], advice: int) -> None:
+    """``madvise`` each span (a hint: a failure changes nothing but the speed).
+
+    ``MADV_SEQUENTIAL`` lets a populate fault read the mapping's whole readahead window
+    ahead instead of around the page; with the file's ``POSIX_FADV_SEQUENTIAL``
+    (:class:`ember.loaders._tensors.MappedFile`) the cold reads come in larger requests.
+    ``bench/page_reads.py`` times populate with and without the hints against plain reads.
+    """
+    for address, length in spans:
+        first = address & ~(_PAGE - 1)
+        _libc.madvise(first, address + length - first, advice)
 
 
 def _populate_read(address: int, length: int) -> int:

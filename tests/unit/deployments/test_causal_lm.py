@@ -144,6 +144,35 @@ def test_populate_reads_into_the_mapping_itself_with_no_copy(tmp_path: Path) -> 
     mapping.close()
 
 
+def test_populate_reads_the_mapping_as_sequential_and_leaves_it_normal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel reads a whole readahead window per fault only on a sequential mapping
+    # ("sr" in smaps' VmFlags); left sequential, the weights' pages would lose their
+    # recency and go first under memory pressure.
+    mapping, flat = _cold_mapping(tmp_path / "blob")
+    address = flat.data_ptr()
+    seen: list[bool] = []
+    real_read = pages._populate_read
+
+    def spy(address_: int, length: int) -> int:
+        seen.append("sr" in _vm_flags(address))
+        return real_read(address_, length)
+
+    monkeypatch.setattr(pages, "_populate_read", spy)
+    assert populate([(address, 8 << 20)], chunk_bytes=1 << 20)
+    assert seen == [True] * 8
+    assert "sr" not in _vm_flags(address)
+    del flat
+    mapping.close()
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that starts at ``address`` (smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{address:x}-"))
+    return next(line for line in lines[start + 1:] if line.startswith("VmFlags:")).split()[1:]
+
+
 def test_a_cold_load_reports_its_reads_and_leaves_the_weights_mapped_in(
         tiny: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
