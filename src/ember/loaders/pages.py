@@ -45,6 +45,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
 #: Linux 5.14's ``MADV_POPULATE_READ``/``_WRITE`` (Python 3.11's ``mmap`` lacks them).
 _POPULATE_READ = 22
 _POPULATE_WRITE = 23
@@ -79,10 +80,58 @@ def residency(path: Path) -> bytes:
 
 
 def resident_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache now (``fincore``)."""
-    vec = residency(path)
-    count = len(vec) - vec.count(b"\x00") if vec else 0
-    return min(count * _PAGE, os.stat(path).st_size)
+    """Bytes of ``path`` in the page cache now: ``cachestat(2)`` (Linux 6.5), else
+    ``mincore(2)`` over a mapping of the file.
+
+    Every load counts what it will read with this, so it is on a replica's start path:
+    ``cachestat`` walks the page cache's folios without building a mapping, several times
+    faster at gigabytes than ``mincore``'s page-by-page answer.
+    """
+    cached = _cachestat_pages(path)
+    if cached is None:
+        vec = residency(path)
+        cached = len(vec) - vec.count(b"\x00") if vec else 0
+    return min(cached * _PAGE, os.stat(path).st_size)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]  # len 0: to the end
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+#: ``cachestat``'s number, the same on every architecture (syscalls from 424 on share one
+#: table); cleared once the kernel says it has none.
+_cachestat_nr: int | None = 451 if sys.platform == "linux" else None
+_ENOSYS = 38
+
+
+def _cachestat_pages(path: Path) -> int | None:
+    """Pages of ``path`` in the page cache, or ``None`` where the kernel has no cachestat.
+
+    Raises:
+        OSError: the file cannot be opened, or cachestat refused it.
+    """
+    global _cachestat_nr
+    if _cachestat_nr is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        stat = _Cachestat()
+        if _libc.syscall(ctypes.c_long(_cachestat_nr), ctypes.c_long(fd),
+                         ctypes.byref(_CachestatRange(0, 0)), ctypes.byref(stat),
+                         ctypes.c_long(0)) == 0:
+            return int(stat.nr_cache)
+        errno = ctypes.get_errno()
+        if errno != _ENOSYS:
+            raise OSError(errno, f"cachestat of {path} failed: {os.strerror(errno)}")
+        _cachestat_nr = None
+        return None
+    finally:
+        os.close(fd)
 
 
 def missing_ranges(path: Path) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,29 @@ def test_prefetch_reads_only_what_is_not_resident(tmp_path: Path) -> None:
     assert prefetch([path], chunk_bytes=1 << 20) == 8 << 20
     assert resident_bytes(path) == 8 << 20
     assert prefetch([path]) == 0
+
+
+def test_resident_bytes_counts_with_cachestat_and_agrees_with_mincore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"\x01" * (8 << 20))
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # a quarter of the pages, with no readahead around them
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset in range(0, 8 << 20, 16 << 10):
+            os.pread(fd, 4096, offset)
+    finally:
+        os.close(fd)
+    by_mincore = (len(vec := pages.residency(path)) - vec.count(b"\x00")) * 4096
+    assert 0 < by_mincore < 8 << 20
+    if pages._cachestat_pages(path) is None:
+        pytest.skip("the kernel has no cachestat (before Linux 6.5)")
+    with monkeypatch.context() as patch:  # the count must come from cachestat alone
+        patch.setattr(pages, "residency", lambda _path: pytest.fail("mincore was used"))
+        assert resident_bytes(path) == by_mincore
+    monkeypatch.setattr(pages, "_cachestat_nr", None)  # a kernel without it: mincore
+    assert resident_bytes(path) == by_mincore
 
 
 def _mapped_rss_bytes(address: int, field: str = "Rss") -> int:
