@@ -171,15 +171,15 @@ def deploy_ember(app: Any, deadline: Deadline, pool_settle_s: float = 1.5) -> No
         wait_until(lambda: replica_states(app.name, POOL_DEPLOYMENT).get("RUNNING", 0) >= 1,
                    "the warm pool", deadline)
         time.sleep(pool_settle_s)  # the edges poll replica states every 0.25-1 s
-    _wait_warm_runtime(deadline)
+    wait_refilled(deadline)
 
 
-def _wait_warm_runtime(deadline: Deadline) -> None:
-    """Wait until the idle pre-started workers are back and done importing.
+def wait_refilled(deadline: Deadline) -> None:
+    """Wait until the idle pre-started workers just taken are back and done importing.
 
-    The app's edges and pool replicas took idle workers as they started; the refiller
-    replaces them a few seconds later, and the first cold start must not meet a worker that
-    is still importing torch (as ``ember run`` waits before it says it is up).
+    The app's edges and pool replicas (or a cold start) took idle workers as they started;
+    the refiller replaces them a few seconds later, and the next cold start must not meet
+    a worker that is still importing torch (as ``ember run`` waits before it says it is up).
     """
     from ember import settings
 

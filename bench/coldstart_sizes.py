@@ -218,7 +218,9 @@ def second_replica(rung: Rung, base: str, deadline: h.Deadline) -> dict[str, Any
     httpx.post(lease, params={"for": "600", "floor": 1}, timeout=30).raise_for_status()
     try:
         lim.settle(0)  # A's first request may have freed memory as it ran
-        # B may meet the worker that replaces A's still importing.
+        # A took an idle worker; as every other trial, B starts once its replacement has
+        # imported, or B's start would share the cores with that import.
+        _serving.wait_refilled(deadline)
         body, took, phases = post(base + "/lm-b", deadline)
         pss = {}
         for label, pid in (("a", first["pid"]), ("b", body["pid"])):
