@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     )
     access_log: bool = Field(False, description="Ray Serve's per-request access log lines")
     textgen_model: str | None = Field(
-        None, description="the textgen app's model: a transformers directory or hf://org/name "
+        None, description="the textgen app's model: a weights URL (file://, s3://, https://: "
+        "through the caches, weights mapped), a transformers directory, or hf://org/name "
         "from the local cache; unset: the shipped TinyLM",
     )
     textgen_adapters: Annotated[dict[str, str], NoDecode] = Field(

@@ -1,8 +1,13 @@
 """Any ``transformers`` causal LM behind the generation engine, one forward per decode step.
 
-The model is loaded from a local directory with ``local_files_only=True`` (nothing is ever
-downloaded). Prompts admitted at one step are prefilled together, laid end to end in one
-forward (``_textgen_pack``), except those that start from a cached prefix or run with a
+The model comes from a weights URL through ``ember.loaders``
+(:meth:`TransformersBackend.from_url`: the node cache, the regional tier and the node's
+snapshot, built on ``meta`` with the mapped tensors as its parameters, as
+:mod:`ember.deployments.causal_lm` loads), or from a local directory with
+``from_pretrained(local_files_only=True)``. Nothing is ever downloaded from a hub.
+
+Prompts admitted at one step are prefilled together, laid end to end in one forward
+(``_textgen_pack``), except those that start from a cached prefix or run with a
 LoRA adapter; decode steps run every running sequence in one forward over a
 :class:`SlotTable` (``_textgen_slots``). The prefix cache serves the base and every adapter,
 each from blocks computed under it alone (``_textgen_prefix``: an adapter's blocks are keyed
@@ -12,11 +17,14 @@ by its load, and dropped when it is evicted).
 from __future__ import annotations
 
 import inspect
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from ember import loaders
 
 # transformers' model code at import: the app preloads this module in the warm runtime.
 from ember.deployments import _hf_preload  # noqa: F401
@@ -25,6 +33,35 @@ from ember.deployments._textgen_lora import LoraAdapters
 from ember.deployments._textgen_pack import groups, pack
 from ember.deployments._textgen_prefix import PrefixCache, Space, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
+from ember.deployments.causal_lm import CONFIG_NAME, LoadReport, load_causal_lm
+from ember.errors import WeightsNotFound
+
+#: The files a tokenizer may be saved as (``save_pretrained`` of a fast or a slow one), read
+#: from beside the weights when they are there; ``config.json`` names the class for some.
+TOKENIZER_FILES = (CONFIG_NAME, "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja")
+
+
+def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:
+    """The tokenizer saved in the folder of the weights at ``url``, read through the loaders'
+    sources (so from S3 or HTTP as from a local folder) into a private directory.
+
+    Raises:
+        WeightsNotFound: the folder holds no tokenizer ``transformers`` can build.
+    """
+    files = loaders.read_present_beside(url, TOKENIZER_FILES, config)
+    if set(files) <= {CONFIG_NAME}:
+        raise WeightsNotFound(f"no tokenizer beside the weights (looked for "
+                              f"{', '.join(TOKENIZER_FILES[1:])})", url=url)
+    with tempfile.TemporaryDirectory(prefix="ember-tokenizer-") as folder:
+        for name, data in files.items():
+            (Path(folder) / name).write_bytes(data)
+        try:
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise WeightsNotFound(f"the tokenizer beside the weights does not load: {exc}",
+                                  url=url) from None
 
 
 class _TextDiffDetokenizer(Detokenizer):
@@ -43,11 +80,15 @@ class _TextDiffDetokenizer(Detokenizer):
 
 
 class TransformersBackend(Backend):
-    """A ``transformers`` causal LM from a local directory, never downloaded.
+    """A ``transformers`` causal LM from a weights URL or a local directory, never downloaded.
 
     Example:
+        >>> backend = TransformersBackend.from_url("s3://models/qwen2-0.5b/")  # doctest: +SKIP
         >>> backend = TransformersBackend.from_directory("/models/gpt2")  # doctest: +SKIP
     """
+
+    #: How the weights were loaded (:meth:`from_url` only): bytes, bytes read, phases.
+    load_report: LoadReport | None = None
 
     def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024,
                  prefix_blocks: int = 256, max_pack_tokens: int = 1024) -> None:
@@ -83,6 +124,25 @@ class TransformersBackend(Backend):
         if self.prefix is None:
             return []
         return self.prefix.match(tokens, space=self._space(adapter))
+
+    @classmethod
+    def from_url(cls, url: str, *, config: loaders.LoaderConfig | None = None,
+                 max_len: int = 1024) -> TransformersBackend:
+        """Load the model at ``url`` (any ``ember.loaders`` URL of a folder with
+        ``config.json``, safetensors weights and a tokenizer) as the causal-LM deployment
+        does: refused with a 503 when it cannot fit in free memory, the weights mapped from
+        the node's caches (a second replica on the node shares their pages), the model built
+        on ``meta`` meanwhile, no copy of any weight.
+
+        Raises:
+            InsufficientMemory: the weights do not fit in the node's free memory.
+            WeightsError: the weights or the tokenizer cannot be fetched or do not fit.
+        """
+        cfg = config or loaders.LoaderConfig()
+        model, report = load_causal_lm(url, config=cfg)
+        backend = cls(model, tokenizer_beside(url, cfg), max_len=max_len)
+        backend.load_report = report
+        return backend
 
     @classmethod
     def from_directory(cls, path: str | Path, *, max_len: int = 1024) -> TransformersBackend:

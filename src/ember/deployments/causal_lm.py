@@ -109,13 +109,20 @@ def build_on_meta(config_doc: dict[str, Any]) -> torch.nn.Module:
 def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Make the mapped tensors the model's parameters (no copy); rebuild derived buffers.
 
+    A checkpoint may leave out weights the model ties to others (GPT-2's ``lm_head`` is its
+    token embedding: ``save_pretrained`` writes it once); they are tied here, and any
+    parameter still without storage after that is an error.
+
     Raises:
-        HeaderInvalid: names or shapes do not match the model.
+        HeaderInvalid: names or shapes do not match the model, or a weight is missing.
     """
     try:
-        model.load_state_dict(tensors, strict=True, assign=True)
+        _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:
         raise HeaderInvalid(name="state dict", reason=str(exc)[:500]) from None
+    if unexpected:
+        raise HeaderInvalid(name="state dict",
+                            reason=f"weights the model has no place for: {unexpected[:5]}")
     config = getattr(model, "config", None)
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
@@ -125,6 +132,9 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
             model.set_submodule(name, type(module)(config=config).to(device))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # type: ignore[operator]
+    missing = [name for name, param in model.named_parameters() if param.is_meta]
+    if missing:
+        raise HeaderInvalid(name="state dict", reason=f"weights missing: {missing[:5]}")
     return model.eval().requires_grad_(False)
 
 

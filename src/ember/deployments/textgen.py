@@ -49,12 +49,26 @@ MODEL_DIR = Path(__file__).resolve().parent / "textgen_model"
 CODE_VERSION = f"tinylm-1/ember-{ember.__version__}"
 
 
+def is_weights_url(model: str) -> bool:
+    """Whether ``model`` names weights for ``ember.loaders`` (``file://``, ``s3://``,
+    ``https://``, ...) rather than a local directory or an ``hf://`` cache entry.
+
+    Example:
+        >>> [is_weights_url(m) for m in ("s3://b/llama/", "/models/qwen", "hf://org/tiny")]
+        [True, False, False]
+    """
+    return "://" in model and not model.startswith("hf://")
+
+
 def load_backend(model: str | None = None) -> Backend:
-    """The shipped TinyLM, or the ``transformers`` causal LM at ``model`` (a local directory
-    or ``hf://org/name[@revision]`` already in the Hugging Face cache).
+    """The shipped TinyLM, or the ``transformers`` causal LM at ``model``: a weights URL
+    (through the node cache, the regional tier and the node's snapshot, with the weights
+    mapped rather than copied), a local directory, or ``hf://org/name[@revision]`` already
+    in the Hugging Face cache.
 
     Raises:
-        WeightsError: the shipped weights cannot be read or do not fit their config.
+        WeightsError: the weights cannot be read or do not fit their config.
+        InsufficientMemory: a URL's weights do not fit in the node's free memory (503).
         OSError: ``model`` is not on this machine (nothing is downloaded).
     """
     if model is None:
@@ -68,19 +82,24 @@ def load_backend(model: str | None = None) -> Backend:
         model = snapshot_download(repo, revision=revision or None, local_files_only=True)
     from ember.deployments._textgen_hf import TransformersBackend
 
+    if is_weights_url(model):
+        return TransformersBackend.from_url(model)
     return TransformersBackend.from_directory(model)
 
 
 def served_model() -> tuple[str | None, str]:
     """Where the app's model is (None: the shipped TinyLM) and the name clients call it by,
     from ``EMBER_TEXTGEN_MODEL``: ``hf://org/tiny@main`` is called ``org/tiny``, a directory
-    by its name."""
+    or a weights URL by its folder's name (``s3://b/llama-1b/`` is ``llama-1b``)."""
     model = settings.load().textgen_model
     if model is None:
         return None, MODEL_NAME
     if model.startswith("hf://"):
         return model, model.removeprefix("hf://").partition("@")[0]
-    return model, Path(model).name
+    path = Path(model.partition("://")[2] if is_weights_url(model) else model)
+    if path.suffix in (".json", ".safetensors"):  # the URL names the index or the file
+        path = path.parent
+    return model, path.name
 
 
 def replica_bounds(config: settings.Settings | None = None) -> tuple[int, int]:

@@ -31,7 +31,12 @@ from ember.errors import (
 )
 from ember.loaders._api import LocalWeights, load, resolve, stream
 from ember.loaders._config import LoaderConfig
-from ember.loaders._model_files import read_beside, snapshot_blobs, weights_bytes
+from ember.loaders._model_files import (
+    read_beside,
+    read_present_beside,
+    snapshot_blobs,
+    weights_bytes,
+)
 from ember.loaders._snapshot import (
     SnapshotLoad,
     max_snapshot_bytes_from_env,
@@ -91,6 +96,7 @@ __all__ = [
     "max_snapshot_bytes_from_env",
     "preload_snapshot",
     "read_beside",
+    "read_present_beside",
     "resolve",
     "snapshot_blobs",
     "snapshot_key",

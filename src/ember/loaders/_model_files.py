@@ -1,10 +1,12 @@
-"""What a model deployment asks of its weights before and after the load: their size, a
-small file beside them (``config.json``), and the node-cache blobs its snapshot maps."""
+"""What a model deployment asks of its weights before and after the load: their size, small
+files beside them (``config.json``, a tokenizer's), and the node-cache blobs its snapshot
+maps."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ember.errors import SourceError, WeightsNotFound
 from ember.loaders._config import LoaderConfig
 from ember.loaders._resolve import open_source, resolve_target
 from ember.loaders._snapshot import SNAPSHOT_DIR, read_record, snapshot_key
@@ -41,6 +43,37 @@ def read_beside(url: str, name: str, config: LoaderConfig) -> bytes:
         return source.read_small(folder + name)
     finally:
         source.close()
+
+
+#: The most one file beside the weights may hold (a large vocabulary's ``tokenizer.json`` is
+#: tens of MB; the weights themselves never come this way).
+BESIDE_CAP_BYTES = 64 << 20
+
+
+def read_present_beside(url: str, names: tuple[str, ...], config: LoaderConfig, *,
+                        cap_bytes: int = BESIDE_CAP_BYTES) -> dict[str, bytes]:
+    """Those of ``names`` that exist in the weights' folder, each read whole (one listing of
+    the origin for all of them); a name that is not there is left out.
+
+    Raises:
+        SourceError: a file is over ``cap_bytes``, or the origin failed.
+    """
+    source, file = open_source(url, config)
+    folder = file.rpartition("/")[0] + "/" if file and "/" in file else ""
+    found: dict[str, bytes] = {}
+    try:
+        for name in names:
+            try:
+                info = source.stat(folder + name)
+            except (WeightsNotFound, FileNotFoundError):
+                continue
+            if info.size > cap_bytes:
+                raise SourceError(f"{info.size} bytes is over the {cap_bytes} a file beside the "
+                                  "weights may have", url=source.describe(folder + name))
+            found[name] = source.read_range(info, 0, info.size) if info.size else b""
+    finally:
+        source.close()
+    return found
 
 
 def snapshot_blobs(url: str, code_version: str, config: LoaderConfig) -> list[Path]:

@@ -1,0 +1,171 @@
+"""A generation model named by a weights URL loads through Ember's loaders: mapped from the
+node cache (its parameters are views on the cache's blobs, no copy), restored from the node's
+snapshot by the next replica, and generating exactly what the same model loaded with
+``from_pretrained`` generates, for every architecture the engine runs."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ember.deployments._textgen_engine import Engine, EngineConfig
+from ember.deployments._textgen_sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # transformers' import alone takes seconds
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+_hf = pytest.importorskip("ember.deployments._textgen_hf")
+TransformersBackend = _hf.TransformersBackend
+
+PROMPTS = ["hello", "the end of the line", "0123456789 abcdefghij", "Qq"]
+LENGTHS = [9, 5, 14, 3]
+
+
+def _tokenizer() -> Any:
+    """One token per printable character, an end-of-sequence token at 127."""
+    vocab = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def _config(arch: str) -> Any:
+    small = {"vocab_size": 128, "bos_token_id": None, "eos_token_id": 127}
+    if arch == "gpt2":  # ties lm_head to the token embedding: the checkpoint holds it once
+        return transformers.GPT2Config(n_positions=128, n_embd=32, n_layer=2, n_head=2,
+                                       initializer_range=0.2, **small)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               initializer_range=0.2, **small)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
+def model_dir(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random model and its tokenizer, saved as ``save_pretrained`` saves them."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(str(request.param))
+    transformers.AutoModelForCausalLM.from_config(_config(str(request.param))).save_pretrained(
+        path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "node-cache"
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(root))
+    yield root
+
+
+async def _greedy(backend: Any) -> list[list[int]]:
+    backend.eos_token_id = None  # every sequence runs to its length
+    engine = Engine(backend, EngineConfig(max_num_seqs=2))
+
+    async def one(prompt: str, n: int) -> list[int]:
+        params = SamplingParams(max_tokens=n, temperature=0)
+        return [t async for c in engine.generate(backend.encode(prompt), params)
+                for t in c.token_ids]
+
+    outs = await asyncio.gather(*(one(p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)))
+    await engine.close()
+    return list(outs)
+
+
+def _mapped_files() -> list[tuple[int, int, str]]:
+    """This process's file mappings: (start, end, path)."""
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end, fields[5]))
+    return spans
+
+
+def test_a_weights_url_generates_what_from_pretrained_does_from_mapped_cache_pages(
+        model_dir: Path, cache: Path) -> None:
+    got = TransformersBackend.from_url(model_dir.as_uri() + "/")
+    want = TransformersBackend.from_directory(model_dir)
+    outs = asyncio.run(_greedy(got))
+    assert outs == asyncio.run(_greedy(want))
+    assert len({t for out in outs for t in out}) > 4  # not one repeated token
+    # Every parameter lies in a mapping of a blob of the node cache: the loaders mapped
+    # them, nothing copied them (from_pretrained's own tensors would fail this).
+    blobs = [(s, e) for s, e, path in _mapped_files() if path.startswith(str(cache))]
+    assert blobs
+    for name, param in got.model.named_parameters():
+        ptr = param.untyped_storage().data_ptr()
+        assert any(s <= ptr < e for s, e in blobs), name
+    report = got.load_report
+    assert report is not None and not report.restored
+    assert report.weights_bytes == (model_dir / "model.safetensors").stat().st_size
+    assert {"check", "map", "construct", "pages_wait", "assign"} <= set(report.phases_s)
+
+
+def test_the_next_load_of_the_url_is_restored_from_the_nodes_snapshot(
+        model_dir: Path, cache: Path) -> None:
+    from ember.loaders import wait_for_cache_writes
+
+    url = model_dir.as_uri() + "/"
+    first = TransformersBackend.from_url(url)
+    assert wait_for_cache_writes(timeout_s=60)  # the snapshot is recorded once filled
+    again = TransformersBackend.from_url(url)
+    assert first.load_report is not None and not first.load_report.restored
+    assert again.load_report is not None and again.load_report.restored
+    assert asyncio.run(_greedy(again)) == asyncio.run(_greedy(first))
+
+
+def test_weights_without_a_tokenizer_are_refused_naming_what_was_looked_for(
+        model_dir: Path, cache: Path, tmp_path: Path) -> None:
+    from ember.errors import WeightsNotFound
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, bare / name)
+    with pytest.raises(WeightsNotFound, match="no tokenizer beside the weights") as err:
+        TransformersBackend.from_url(bare.as_uri() + "/")
+    assert err.value.status_code == 404 and "tokenizer.json" in str(err.value)
+
+
+def test_the_textgen_app_loads_a_weights_url_through_the_loaders(
+        model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.deployments.textgen import load_backend, served_model
+
+    url = model_dir.as_uri() + "/"
+    monkeypatch.setenv("EMBER_TEXTGEN_MODEL", url)
+    assert served_model() == (url, model_dir.name)
+    backend = load_backend(url)
+    assert isinstance(backend, TransformersBackend) and backend.load_report is not None
+    monkeypatch.setenv("EMBER_TEXTGEN_MODEL", (model_dir / "model.safetensors").as_uri())
+    assert served_model()[1] == model_dir.name
+    # A plain directory is still read with from_pretrained, as before.
+    plain = load_backend(str(model_dir))
+    assert isinstance(plain, TransformersBackend) and plain.load_report is None
+
+
+def test_a_checkpoint_missing_an_untied_weight_is_refused_by_name(
+        model_dir: Path, cache: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ember.errors import HeaderInvalid
+
+    partial = tmp_path / "partial"
+    shutil.copytree(model_dir, partial)
+    tensors = load_file(partial / "model.safetensors")
+    dropped = sorted(name for name in tensors if name.endswith("mlp.c_fc.weight")
+                     or name.endswith("mlp.up_proj.weight"))[0]
+    del tensors[dropped]
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HeaderInvalid, match="weights missing"):
+        TransformersBackend.from_url(partial.as_uri() + "/")
