@@ -50,7 +50,9 @@ def test_two_adapters_and_the_base_through_the_official_client(tmp_path: Path) -
                           skip_special_tokens=True) for _, name, q in shared]
     adapters = ",".join(f"{m}={dirs[n].as_uri()}" for m, n in
                         (("sql", "a"), ("chat", "b"), ("wrong", "other")))
-    env = {"EMBER_TEXTGEN_MODEL": str(dirs["base"]), "EMBER_TEXTGEN_ADAPTERS": adapters,
+    # The base by its URL: mapped from the node cache by the loaders, adapters over it.
+    env = {"EMBER_TEXTGEN_MODEL": dirs["base"].as_uri() + "/",
+           "EMBER_TEXTGEN_ADAPTERS": adapters,
            "EMBER_TEXTGEN_MAX_ADAPTERS": "2", "EMBER_WARM_POOL": "0"}
     with EmberRun("ember.deployments.textgen:app", tmp_path, env=env) as run:
         run.wait_ready(240, http=True)
