@@ -79,6 +79,26 @@ class _TextDiffDetokenizer(Detokenizer):
         return added
 
 
+def _dense_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The output head's input, laid out densely when it is not.
+
+    ``logits_to_keep=1`` hands the head the last position as a slice of the whole prompt's
+    hidden states (strides ``(T*H, H, 1)``). With bf16 weights that need no grad, which is
+    how the loaders' models come (``assign_weights``), torch's CPU ``linear`` then takes a
+    path about 30x slower than for the same values laid out densely: 0.19 s instead of
+    0.007 s for a 32000-token head on one core, most of a 0.5 GB model's prefill.
+    """
+    hidden = args[0]
+    if not isinstance(hidden, torch.Tensor) or hidden.stride() == _dense_strides(hidden):
+        return None
+    return (torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device).copy_(hidden),
+            *args[1:])
+
+
+def _dense_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(torch.empty(tensor.shape, device="meta").stride())
+
+
 class TransformersBackend(Backend):
     """A ``transformers`` causal LM from a weights URL or a local directory, never downloaded.
 
@@ -93,6 +113,9 @@ class TransformersBackend(Backend):
     def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024,
                  prefix_blocks: int = 256, max_pack_tokens: int = 1024) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.register_forward_pre_hook(_dense_input)
         self.eos_token_id = tokenizer.eos_token_id
         self.max_len = min(max_len, int(getattr(model.config, "max_position_embeddings",
                                                 max_len)))
