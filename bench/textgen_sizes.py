@@ -16,8 +16,9 @@ Paths: ``disk_warm`` (every file either contender reads is in the page cache) an
 ``disk_cold`` (evicted with ``posix_fadvise(DONTNEED)`` before each trial). Before every
 trial the memory the last one freed gets the same wait (``_sizes_limits.settle``). Rounds
 alternate the order. One torch thread each, as a one-CPU replica runs. The folder is the
-size ladder's rung (``model_ladder.ensure``) with hard links to its files and a character
-tokenizer beside them, so both read the very same inodes' bytes.
+size ladder's rung (``model_ladder.ensure``) with hard links to its files and a tokenizer
+that names every id beside them (:func:`ladder_tokenizer`), so both read the very same
+inodes' bytes.
 
 Usage:
     .venv/bin/python bench/textgen_sizes.py [--sizes 0.5gb 2gb] [--rounds 3] [--short]
@@ -77,12 +78,24 @@ def _child(contender: str, folder: Path) -> dict[str, Any]:
             "restored": bool(report.restored) if report else None}
 
 
-def _folder(size: str) -> Path:
-    """The rung's files hard-linked beside a tokenizer (the same inodes as the ladder's)."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    import model_ladder
+def ladder_tokenizer(vocab: int) -> Any:
+    """One token per printable character (ids 32-126), an end-of-sequence token at 127, and a
+    name of its own for every other id (``<5000>``), so that any token a random model picks
+    decodes to text that a stream carries."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    import lora_models  # the character tokenizer the tests use: ids 32..127, in any vocab
+    pieces = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
+    pieces |= {f"<{i}>": i for i in [*range(32), *range(128, vocab)]}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=pieces, unk_token="<eos>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def folder_for(size: str) -> Path:
+    """The rung's files hard-linked beside a tokenizer (the same inodes as the ladder's)."""
+    import model_ladder
 
     rung = model_ladder.ensure(size)
     folder = rung.parent.parent / "textgen" / size
@@ -91,12 +104,12 @@ def _folder(size: str) -> Path:
         link = folder / path.name
         if path.is_file() and not link.exists():
             os.link(path, link)
-    if not (folder / "tokenizer.json").exists():
-        lora_models.tokenizer().save_pretrained(folder)
+    vocab = int(json.loads((rung / "config.json").read_text())["vocab_size"])
+    ladder_tokenizer(vocab).save_pretrained(folder)  # the same bytes every time
     return folder
 
 
-def _trial(contender: str, folder: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_child(contender: str, folder: Path, env: dict[str, str]) -> dict[str, Any]:
     done = subprocess.run([sys.executable, __file__, "--child", contender, str(folder)],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
@@ -104,7 +117,7 @@ def _trial(contender: str, folder: Path, env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _files(folder: Path, cache: Path) -> list[Path]:
+def files_read(folder: Path, cache: Path) -> list[Path]:
     """Every large file either contender reads: the rung's shards, the node cache's blobs."""
     return [*folder.glob("*.safetensors"), *(p for p in cache.rglob("blobs/*") if p.is_file())]
 
@@ -112,24 +125,24 @@ def _files(folder: Path, cache: Path) -> list[Path]:
 def measure(size: str, rounds: int) -> list[dict[str, Any]]:
     import _sizes_limits as limits
 
-    folder = _folder(size)
+    folder = folder_for(size)
     cache = folder.parent.parent / "textgen-node-cache"
     env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(HERE)}
-    _trial("ember", folder, env)  # fills the node cache and writes the snapshot record
+    run_child("ember", folder, env)  # fills the node cache and writes the snapshot record
     nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     rows = []
     for path in ("disk_warm", "disk_cold"):
         trials: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
         for r in range(rounds):
             for contender in (CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]):
-                files = _files(folder, cache)
+                files = files_read(folder, cache)
                 if path == "disk_cold":
                     limits.drop(files)
                 else:
                     limits.pagecache_bandwidth(files)  # reads every file: all resident
                 limits.settle(nbytes)
-                trials[contender].append(_trial(contender, folder, env))
+                trials[contender].append(run_child(contender, folder, env))
         rows.append(_row(size, path, nbytes, trials))
     return rows
 

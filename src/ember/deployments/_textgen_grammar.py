@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any
 
@@ -37,6 +38,8 @@ from ember.errors import BadRequest
 #: Built per backend and kept as long as it lives (a transformers vocabulary takes ~1 s).
 _TOKENIZERS: weakref.WeakKeyDictionary[Backend, llguidance.LLTokenizer] = (
     weakref.WeakKeyDictionary())
+#: Held while a tokenizer is built: the replica's background build and a request never both do.
+_BUILDING = threading.Lock()
 
 
 class _ByteVocabulary:
@@ -90,15 +93,20 @@ def _hf_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 
 
 def tokenizer_for(backend: Backend) -> llguidance.LLTokenizer:
-    """The llguidance tokenizer of ``backend``'s model, built on first use and kept."""
+    """The llguidance tokenizer of ``backend``'s model, built once (by the first of the
+    threads that ask; the others wait for it) and kept."""
     found = _TOKENIZERS.get(backend)
-    if found is None:
-        if isinstance(backend, TinyLMBackend):
-            found = byte_tokenizer()
-        else:
-            found = _hf_tokenizer(getattr(backend, "tokenizer"))  # noqa: B009 (not on Backend)
-        _TOKENIZERS[backend] = found
-    return found
+    if found is not None:
+        return found
+    with _BUILDING:
+        found = _TOKENIZERS.get(backend)
+        if found is None:
+            if isinstance(backend, TinyLMBackend):
+                found = byte_tokenizer()
+            else:
+                found = _hf_tokenizer(getattr(backend, "tokenizer"))  # noqa: B009
+            _TOKENIZERS[backend] = found
+        return found
 
 
 def token_bytes(tokenizer: llguidance.LLTokenizer, token: int) -> bytes:

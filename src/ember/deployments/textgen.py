@@ -24,6 +24,7 @@ model, each a ``model`` of its own (``docs/lora.md``).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -215,11 +216,20 @@ class Generator:
         return token_bytes(tokenizer_for(self.backend), token)
 
     def warmup(self) -> None:
-        """One prefill and one decode step, so the first request does not pay for them."""
+        """One prefill and one decode step, so the first request does not pay for them; the
+        grammar tokenizer is built beside, after them.
+
+        Structured output and logprobs need the model's llguidance tokenizer, a walk of the
+        whole vocabulary in Python that grows with it (the cold-start anatomy of
+        ``bench/textgen_coldstart.py`` showed it in ``warmup``). Built here, on the replica's
+        start, every cold start waited for it, structured or not; built on a thread once the
+        replica serves, the first structured request finds it ready or waits for the rest.
+        """
         self.backend.prefill(0, self.backend.encode("warm up"))
         self.backend.decode([0], [32])
         self.backend.free(0)
-        tokenizer_for(self.backend)  # built now, not on the first structured request
+        threading.Thread(target=tokenizer_for, args=(self.backend,), daemon=True,
+                         name="ember-grammar-tokenizer").start()
 
 
 #: Engine limits of one replica: 16 sequences in the batch, 64 waiting, then 503.

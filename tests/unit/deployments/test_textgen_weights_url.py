@@ -184,3 +184,33 @@ def test_the_output_head_gets_its_input_laid_out_densely(model_dir: Path, cache:
     assert seen and seen[-1][0][1] == 1  # only the last position reaches the head
     shape, stride = seen[-1]
     assert stride == torch.empty(shape).stride()
+
+
+def test_warmup_leaves_the_grammar_tokenizer_to_a_thread_and_a_request_waits_for_it(
+        model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ember.deployments import _textgen_grammar as grammar
+    from ember.deployments.textgen import ENGINE, Generator
+
+    release, builds = threading.Event(), []
+    real = grammar._hf_tokenizer
+
+    def slow(tokenizer: Any) -> Any:  # a vocabulary walk that takes as long as the test says
+        builds.append(threading.current_thread().name)
+        assert release.wait(30)
+        return real(tokenizer)
+
+    monkeypatch.setattr(grammar, "_hf_tokenizer", slow)
+    generator = Generator(TransformersBackend.from_url(model_dir.as_uri() + "/"), ENGINE)
+    warmed = threading.Thread(target=generator.warmup)
+    warmed.start()
+    warmed.join(20)
+    assert not warmed.is_alive(), "warmup waited for the grammar tokenizer"
+    asked: list[Any] = []
+    request = threading.Thread(target=lambda: asked.append(
+        grammar.tokenizer_for(generator.backend)))
+    request.start()
+    release.set()
+    request.join(30)
+    assert asked and builds == ["ember-grammar-tokenizer"]  # built once, by the thread
