@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,10 @@ def chat_prompt(messages: list[Any]) -> str:
     """The plain-text chat template of the byte model: one ``role: content`` line per turn."""
     turns = [f"{m.role}: {m.content}" for m in messages]
     return "\n".join([*turns, "assistant:"])
+
+
+#: How long a replica's engine must have been idle before the grammar tokenizer is built.
+GRAMMAR_AFTER_IDLE_S = 1.0
 
 
 class Generator:
@@ -222,14 +227,25 @@ class Generator:
         Structured output and logprobs need the model's llguidance tokenizer, a walk of the
         whole vocabulary in Python that grows with it (the cold-start anatomy of
         ``bench/textgen_coldstart.py`` showed it in ``warmup``). Built here, on the replica's
-        start, every cold start waited for it, structured or not; built on a thread once the
-        replica serves, the first structured request finds it ready or waits for the rest.
+        start, every cold start waited for it, structured or not. Built on a thread at once,
+        it held the GIL while the cold request that started the replica was routed and
+        prefilled (the ``route`` phase grew several-fold there), so the thread waits until the
+        engine has been idle for :data:`GRAMMAR_AFTER_IDLE_S`; a structured request that
+        comes sooner builds it (or waits for the build in flight).
         """
         self.backend.prefill(0, self.backend.encode("warm up"))
         self.backend.decode([0], [32])
         self.backend.free(0)
-        threading.Thread(target=tokenizer_for, args=(self.backend,), daemon=True,
+        threading.Thread(target=self._grammar_when_idle, daemon=True,
                          name="ember-grammar-tokenizer").start()
+
+    def _grammar_when_idle(self) -> None:
+        quiet_since: float | None = None
+        while quiet_since is None or time.monotonic() - quiet_since < GRAMMAR_AFTER_IDLE_S:
+            busy = self.engine.running or self.engine.waiting
+            quiet_since = None if busy else quiet_since or time.monotonic()
+            time.sleep(0.1)
+        tokenizer_for(self.backend)
 
 
 #: Engine limits of one replica: 16 sequences in the batch, 64 waiting, then 503.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ def test_the_output_head_gets_its_input_laid_out_densely(model_dir: Path, cache:
     assert stride == torch.empty(shape).stride()
 
 
-def test_warmup_leaves_the_grammar_tokenizer_to_a_thread_and_a_request_waits_for_it(
+def test_warmup_leaves_the_grammar_tokenizer_to_an_idle_engine_and_a_request_waits_for_it(
         model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
@@ -207,6 +208,9 @@ def test_warmup_leaves_the_grammar_tokenizer_to_a_thread_and_a_request_waits_for
     warmed.start()
     warmed.join(20)
     assert not warmed.is_alive(), "warmup waited for the grammar tokenizer"
+    deadline = time.monotonic() + 30  # the engine is idle: the thread starts the build
+    while not builds and time.monotonic() < deadline:
+        time.sleep(0.05)
     asked: list[Any] = []
     request = threading.Thread(target=lambda: asked.append(
         grammar.tokenizer_for(generator.backend)))
@@ -214,3 +218,23 @@ def test_warmup_leaves_the_grammar_tokenizer_to_a_thread_and_a_request_waits_for
     release.set()
     request.join(30)
     assert asked and builds == ["ember-grammar-tokenizer"]  # built once, by the thread
+
+
+def test_the_grammar_tokenizer_is_not_built_while_the_engine_has_work(
+        model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ember.deployments import _textgen_grammar as grammar
+    from ember.deployments import textgen
+    from ember.deployments.textgen import ENGINE, Generator
+
+    built = threading.Event()
+    monkeypatch.setattr(grammar, "_hf_tokenizer", lambda tokenizer: built.set())
+    monkeypatch.setattr(textgen, "GRAMMAR_AFTER_IDLE_S", 0.3)
+    generator = Generator(TransformersBackend.from_url(model_dir.as_uri() + "/"), ENGINE)
+    busy = [object()]
+    monkeypatch.setattr(generator.engine, "_waiting", busy)  # a request waits
+    generator.warmup()
+    assert not built.wait(1.5)  # five idle periods: nothing built while the request waits
+    busy.clear()
+    assert built.wait(10)
