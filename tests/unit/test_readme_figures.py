@@ -216,6 +216,34 @@ def idle_cpu(doc: dict[str, Any]) -> Cells:
     return cells
 
 
+def _textgen_row(row: dict[str, Any]) -> str:
+    """``2 GB, page cache warm``: a generation table's row label."""
+    size = row["size"].removesuffix("gb")
+    return f"{size} GB, page cache {'warm' if row['path'] == 'disk_warm' else 'cold'}"
+
+
+def textgen_coldstart(doc: dict[str, Any]) -> Cells:
+    """``bench/textgen_coldstart.py``: time to first token from zero, medians, and the ratio."""
+    cells: Cells = {}
+    for row in doc["rows"]:
+        label, med = _textgen_row(row), row["medians"]
+        cells[label, "Ember"] = f"{med['ember']['ttft_s']:.2f} s"
+        cells[label, "Ray Serve"] = f"{med['rayserve']['ttft_s']:.2f} s"
+        cells[label, "Ray Serve / Ember"] = f"{row['ttft_ratio_rayserve_over_ember']:.1f}x"
+    return cells
+
+
+def textgen_sizes(doc: dict[str, Any]) -> Cells:
+    """``bench/textgen_sizes.py``: load to first token in a fresh process, and the ratio."""
+    cells: Cells = {}
+    for row in doc["rows"]:
+        label, med = _textgen_row(row), row["medians"]
+        cells[label, "Ember's loader"] = f"{med['ember']['ttft_s']:.2f} s"
+        cells[label, "from_pretrained"] = f"{med['from_pretrained']['ttft_s']:.2f} s"
+        cells[label, "from_pretrained / Ember"] = f"{row['ttft_ratio_peer_over_ember']:.2f}x"
+    return cells
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,
     "bench/results/coldstart.json": coldstart,
@@ -230,6 +258,8 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/llm.json": llm,
     "bench/results/operator_state.json": operator_state,
     "bench/results/idle_cpu.json": idle_cpu,
+    "bench/results/textgen_coldstart.json": textgen_coldstart,
+    "bench/results/textgen_sizes.json": textgen_sizes,
 }
 
 
