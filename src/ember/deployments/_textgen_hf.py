@@ -34,7 +34,7 @@ from ember.deployments._textgen_pack import groups, pack
 from ember.deployments._textgen_prefix import PrefixCache, Space, joined
 from ember.deployments._textgen_slots import SlotTable, slot_cache
 from ember.deployments.causal_lm import CONFIG_NAME, LoadReport, load_causal_lm
-from ember.errors import WeightsNotFound
+from ember.errors import HeaderInvalid, WeightsNotFound
 
 #: The files a tokenizer may be saved as (``save_pretrained`` of a fast or a slow one), read
 #: from beside the weights when they are there; ``config.json`` names the class for some.
@@ -48,7 +48,8 @@ def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:
     sources (so from S3 or HTTP as from a local folder) into a private directory.
 
     Raises:
-        WeightsNotFound: the folder holds no tokenizer ``transformers`` can build.
+        WeightsNotFound: the folder holds none of the tokenizer's files (404).
+        HeaderInvalid: they are there but do not make a tokenizer (503).
     """
     files = loaders.read_present_beside(url, TOKENIZER_FILES, config)
     if set(files) <= {CONFIG_NAME}:
@@ -59,9 +60,9 @@ def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:
             (Path(folder) / name).write_bytes(data)
         try:
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise WeightsNotFound(f"the tokenizer beside the weights does not load: {exc}",
-                                  url=url) from None
+        except Exception as exc:  # tokenizers and transformers raise many classes here
+            raise HeaderInvalid(name="tokenizer", reason=f"does not load: {exc}"[:500]
+                                ) from None
 
 
 class _TextDiffDetokenizer(Detokenizer):
@@ -88,7 +89,7 @@ def _dense_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, .
     path about 30x slower than for the same values laid out densely: 0.19 s instead of
     0.007 s for a 32000-token head on one core, most of a 0.5 GB model's prefill.
     """
-    hidden = args[0]
+    hidden = args[0] if args else None
     if not isinstance(hidden, torch.Tensor) or hidden.stride() == _dense_strides(hidden):
         return None
     return (torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device).copy_(hidden),

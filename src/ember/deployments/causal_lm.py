@@ -117,12 +117,17 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
         HeaderInvalid: names or shapes do not match the model, or a weight is missing.
     """
     try:
-        _, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:
         raise HeaderInvalid(name="state dict", reason=str(exc)[:500]) from None
     if unexpected:
         raise HeaderInvalid(name="state dict",
                             reason=f"weights the model has no place for: {unexpected[:5]}")
+    # A missing key that names a buffer is a persistent one: nothing ties it, and rebuilding
+    # its module below would put fresh random parameters beside it. Refuse it here.
+    buffers = {name for name, _ in model.named_buffers()}
+    if lost := [name for name in missing if name in buffers]:
+        raise HeaderInvalid(name="state dict", reason=f"weights missing: {lost[:5]}")
     config = getattr(model, "config", None)
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):

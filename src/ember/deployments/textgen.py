@@ -201,6 +201,9 @@ class Generator:
         # No max_tokens: the room the prompt leaves (at least 1, so a prompt with none left
         # is refused naming max_tokens and the limit).
         limit = body.max_tokens or max(1, self.engine.room(len(prompt), body.n))
+        if body.response_format is not None or body.logprobs is not None:
+            # Built (or waited for) on a thread: on the loop it would stop every stream.
+            await asyncio.to_thread(tokenizer_for, self.backend)
         params = SamplingParams(max_tokens=limit, temperature=body.temperature,
                                 top_p=body.top_p, seed=body.seed, stop=tuple(body.stop),
                                 ignore_eos=body.ignore_eos, logprobs=body.logprobs,

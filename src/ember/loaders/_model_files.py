@@ -52,8 +52,9 @@ BESIDE_CAP_BYTES = 64 << 20
 
 def read_present_beside(url: str, names: tuple[str, ...], config: LoaderConfig, *,
                         cap_bytes: int = BESIDE_CAP_BYTES) -> dict[str, bytes]:
-    """Those of ``names`` that exist in the weights' folder, each read whole (one listing of
-    the origin for all of them); a name that is not there is left out.
+    """Those of ``names`` that exist in the weights' folder, each read whole; a name that is
+    not there (as the source's ``exists`` judges: an HTTPS origin may answer 403 for a file
+    it lacks) is left out.
 
     Raises:
         SourceError: a file is over ``cap_bytes``, or the origin failed.
@@ -63,6 +64,8 @@ def read_present_beside(url: str, names: tuple[str, ...], config: LoaderConfig, 
     found: dict[str, bytes] = {}
     try:
         for name in names:
+            if not source.exists(folder + name):
+                continue
             try:
                 info = source.stat(folder + name)
             except (WeightsNotFound, FileNotFoundError):

@@ -6,6 +6,7 @@ snapshot by the next replica, and generating exactly what the same model loaded 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -168,7 +169,7 @@ def test_a_checkpoint_missing_an_untied_weight_is_refused_by_name(
                      or name.endswith("mlp.up_proj.weight"))[0]
     del tensors[dropped]
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(HeaderInvalid, match="weights missing"):
+    with pytest.raises(HeaderInvalid, match=re.escape(dropped)):
         TransformersBackend.from_url(partial.as_uri() + "/")
 
 
@@ -238,3 +239,19 @@ def test_the_grammar_tokenizer_is_not_built_while_the_engine_has_work(
     assert not built.wait(1.5)  # five idle periods: nothing built while the request waits
     busy.clear()
     assert built.wait(10)
+
+
+def test_a_missing_persistent_buffer_is_refused_not_rebuilt_at_random() -> None:
+    from ember.deployments.causal_lm import assign_weights
+    from ember.errors import HeaderInvalid
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("scale", torch.ones(2))  # persistent: in the checkpoint
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(HeaderInvalid, match="scale"):
+        assign_weights(model, {"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2)})
