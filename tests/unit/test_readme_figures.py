@@ -222,27 +222,29 @@ def _textgen_row(row: dict[str, Any]) -> str:
     return f"{size} GB, page cache {'warm' if row['path'] == 'disk_warm' else 'cold'}"
 
 
-def textgen_coldstart(doc: dict[str, Any]) -> Cells:
-    """``bench/textgen_coldstart.py``: time to first token from zero, medians, and the ratio."""
+def _textgen(doc: dict[str, Any], ours: str, peer: str, ratio: str, columns: tuple[str, ...],
+             spec: str) -> Cells:
+    """A generation table: each row's median time to first token for Ember and the peer, and
+    the peer over Ember."""
     cells: Cells = {}
     for row in doc["rows"]:
         label, med = _textgen_row(row), row["medians"]
-        cells[label, "Ember"] = f"{med['ember']['ttft_s']:.2f} s"
-        cells[label, "Ray Serve"] = f"{med['rayserve']['ttft_s']:.2f} s"
-        cells[label, "Ray Serve / Ember"] = f"{row['ttft_ratio_rayserve_over_ember']:.1f}x"
+        cells[label, columns[0]] = f"{med[ours]['ttft_s']:.2f} s"
+        cells[label, columns[1]] = f"{med[peer]['ttft_s']:.2f} s"
+        cells[label, columns[2]] = f"{row[ratio]:{spec}}x"
     return cells
+
+
+def textgen_coldstart(doc: dict[str, Any]) -> Cells:
+    """``bench/textgen_coldstart.py``: time to first token from zero, Ember and Ray Serve."""
+    return _textgen(doc, "ember", "rayserve", "ttft_ratio_rayserve_over_ember",
+                    ("Ember", "Ray Serve", "Ray Serve / Ember"), ".1f")
 
 
 def textgen_sizes(doc: dict[str, Any]) -> Cells:
     """``bench/textgen_sizes.py``: load to first token in a fresh process, and the ratio."""
-    cells: Cells = {}
-    for row in doc["rows"]:
-        label, med = _textgen_row(row), row["medians"]
-        cells[label, "Ember's loader"] = f"{med['ember']['ttft_s']:.2f} s"
-        cells[label, "from_pretrained"] = f"{med['from_pretrained']['ttft_s']:.2f} s"
-        cells[label, "from_pretrained / Ember"] = f"{row['ttft_ratio_peer_over_ember']:.2f}x"
-    return cells
-
+    return _textgen(doc, "ember", "from_pretrained", "ttft_ratio_peer_over_ember",
+                    ("Ember's loader", "from_pretrained", "from_pretrained / Ember"), ".2f")
 
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,

@@ -19,6 +19,8 @@ import torch
 from ember.deployments._textgen_engine import Engine, EngineConfig
 from ember.deployments._textgen_sampling import SamplingParams
 
+import lora_models
+
 pytestmark = pytest.mark.slow  # transformers' import alone takes seconds
 
 transformers = pytest.importorskip("transformers")
@@ -28,15 +30,6 @@ TransformersBackend = _hf.TransformersBackend
 
 PROMPTS = ["hello", "the end of the line", "0123456789 abcdefghij", "Qq"]
 LENGTHS = [9, 5, 14, 3]
-
-
-def _tokenizer() -> Any:
-    """One token per printable character, an end-of-sequence token at 127."""
-    vocab = {chr(i): i for i in range(32, 127)} | {"<eos>": 127}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def _config(arch: str) -> Any:
@@ -58,7 +51,7 @@ def model_dir(request: pytest.FixtureRequest,
     path = tmp_path_factory.mktemp(str(request.param))
     transformers.AutoModelForCausalLM.from_config(_config(str(request.param))).save_pretrained(
         path)
-    _tokenizer().save_pretrained(path)
+    lora_models.tokenizer().save_pretrained(path)
     return path
 
 
@@ -174,8 +167,8 @@ def test_a_checkpoint_missing_an_untied_weight_is_refused_by_name(
 
 
 def test_the_output_head_gets_its_input_laid_out_densely(model_dir: Path, cache: Path) -> None:
-    # The last position as a slice of the prompt's hidden states takes a CPU path about 30x
-    # slower in torch's linear for weights that need no grad (_textgen_hf._dense_input).
+    # The last position as a slice of the prompt's hidden states takes a far slower CPU path
+    # in torch's linear for weights that need no grad (_textgen_hf._dense_input).
     backend = TransformersBackend.from_url(model_dir.as_uri() + "/")
     seen: list[tuple[torch.Size, tuple[int, ...]]] = []
     head = backend.model.get_output_embeddings()
