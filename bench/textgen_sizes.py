@@ -21,7 +21,7 @@ that names every id beside them (:func:`ladder_tokenizer`), so both read the ver
 inodes' bytes.
 
 Usage:
-    .venv/bin/python bench/textgen_sizes.py [--sizes 0.5gb 2gb] [--rounds 3] [--short]
+    .venv/bin/python bench/textgen_sizes.py [--sizes 0.5gb 2gb] [--rounds 5] [--short]
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _child(contender: str, folder: Path) -> dict[str, Any]:
     report = getattr(backend, "load_report", None)
     return {"contender": contender, "load_s": loaded - start, "ttft_s": marks[0] - start,
             "eight_s": marks[-1] - start, "tokens": tokens, "dtype": str(param.dtype),
-            "restored": bool(report.restored) if report else None}
+            "restored": bool(report.restored) if report else None,
+            "load_phases_s": dict(report.phases_s) if report else None}
 
 
 def ladder_tokenizer(vocab: int) -> Any:
@@ -167,7 +168,7 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["0.5gb", "2gb"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--short", action="store_true", help="0.5gb, two rounds")
     args = parser.parse_args()
     sizes, rounds = (["0.5gb"], 2) if args.short else (args.sizes, args.rounds)
