@@ -24,12 +24,14 @@ model, each a ``model`` of its own (``docs/lora.md``).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from ray import serve
 
 import ember
@@ -224,21 +226,32 @@ class Generator:
         return token_bytes(tokenizer_for(self.backend), token)
 
     def warmup(self) -> None:
-        """One prefill and one decode step, so the first request does not pay for them; the
-        grammar tokenizer is built beside, after them.
+        """Pay the process's one-time costs before the first request; the grammar tokenizer
+        is built beside, later.
+
+        A warm-up prefill and decode step is a forward pass over every weight, twice, and a
+        request waiting at zero waits for it: 0.45-0.57 s of a 2 GB model's cold start on
+        CPU (``bench/textgen_coldstart.py``). In a warm-runtime worker, which ran torch's
+        operators when it started (``control/torch_warm``), the first prefill and decode of
+        a 2 GB Llama took as long as the next ones, so on CPU that worker's exercise runs
+        here instead (once per process, a few milliseconds on tiny tensors; a replica in a
+        fresh process gets it too). On an accelerator the forward pass stays: it is cheap
+        there, and it creates the device's kernels and library handles before the replica
+        takes traffic.
 
         Structured output and logprobs need the model's llguidance tokenizer, a walk of the
-        whole vocabulary in Python that grows with it (the cold-start anatomy of
-        ``bench/textgen_coldstart.py`` showed it in ``warmup``). Built here, on the replica's
-        start, every cold start waited for it, structured or not. Built on a thread at once,
-        it held the GIL while the cold request that started the replica was routed and
-        prefilled (the ``route`` phase grew several-fold there), so the thread waits until the
-        engine has been idle for :data:`GRAMMAR_AFTER_IDLE_S`; a structured request that
-        comes sooner builds it (or waits for the build in flight).
+        whole vocabulary in Python that grows with it. Built on the replica's start, every
+        cold start waited for it, structured or not; built on a thread at once, it held the
+        GIL while the cold request that started the replica was routed and prefilled, so
+        the thread waits until the engine has been idle for :data:`GRAMMAR_AFTER_IDLE_S`; a
+        structured request that comes sooner builds it (or waits for the build in flight).
         """
-        self.backend.prefill(0, self.backend.encode("warm up"))
-        self.backend.decode([0], [32])
-        self.backend.free(0)
+        if _on_accelerator(self.backend):
+            self.backend.prefill(0, self.backend.encode("warm up"))
+            self.backend.decode([0], [32])
+            self.backend.free(0)
+        else:
+            importlib.import_module("ember.control.torch_warm")
         threading.Thread(target=self._grammar_when_idle, daemon=True,
                          name="ember-grammar-tokenizer").start()
 
@@ -249,6 +262,13 @@ class Generator:
             quiet_since = None if busy else quiet_since or time.monotonic()
             time.sleep(0.1)
         tokenizer_for(self.backend)
+
+
+def _on_accelerator(backend: Backend) -> bool:
+    """Whether ``backend``'s weights are on a device other than the CPU."""
+    model = getattr(backend, "model", None)
+    first = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    return first is not None and first.device.type != "cpu"
 
 
 #: Engine limits of one replica: 16 sequences in the batch, 64 waiting, then 503.

@@ -248,3 +248,30 @@ def test_a_missing_persistent_buffer_is_refused_not_rebuilt_at_random() -> None:
         model = Scaled()
     with pytest.raises(HeaderInvalid, match="scale"):
         assign_weights(model, {"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2)})
+
+
+def test_warmup_on_cpu_runs_no_forward_pass_but_torchs_exercise(
+        model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from ember.deployments import textgen
+    from ember.deployments.textgen import ENGINE, Generator
+
+    backend = TransformersBackend.from_url(model_dir.as_uri() + "/")
+    forwards: list[int] = []
+    real = backend.model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        forwards.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.model, "forward", counted)
+    monkeypatch.delitem(sys.modules, "ember.control.torch_warm", raising=False)
+    # No tokenizer build here: a thread left waiting would build under a later test's patches.
+    monkeypatch.setattr(Generator, "_grammar_when_idle", lambda self: None)
+    Generator(backend, ENGINE).warmup()
+    assert forwards == []  # a request at zero would have waited for them
+    assert "ember.control.torch_warm" in sys.modules
+    assert not textgen._on_accelerator(backend)
+    assert textgen._on_accelerator(TransformersBackend(backend.model.to("meta"),
+                                                       backend.tokenizer))
