@@ -152,19 +152,22 @@ class SlotTable:
         return [row for row in range(self.slots) if self.lengths[row] > 0]
 
     def _compact(self) -> None:
-        """Pack every row's live columns to the right of column ``max(lengths)``."""
+        """Pack every held row's live columns to the right of column ``max(lengths)``; rows
+        no sequence holds are not written (they stay unbacked, :func:`lazy_zeros`)."""
+        held = self._held_rows()
         width = max(self.lengths)
-        index = torch.zeros(self.slots, width, dtype=torch.long)
+        rows = torch.tensor(held, dtype=torch.long)
+        index = torch.zeros(len(held), width, dtype=torch.long)
         valid = torch.zeros(self.slots, self.capacity, dtype=torch.bool)
-        for row in range(self.slots):
+        for i, row in enumerate(held):
             live = self.valid[row, :self.col].nonzero().flatten()
-            index[row, width - len(live):] = live
+            index[i, width - len(live):] = live
             valid[row, width - len(live):width] = True
         for tensors in (self.keys, self.values):
             for t in tensors:
-                gather = index[:, None, :, None].expand(t.shape[0], t.shape[1], width,
+                gather = index[:, None, :, None].expand(len(held), t.shape[1], width,
                                                         t.shape[3])
-                t[:, :, :width] = t[:, :, :self.col].gather(2, gather)
+                t[rows, :, :width] = t[rows, :, :self.col].gather(2, gather)
         self.valid, self.col = valid, width
         self.compactions += 1
 

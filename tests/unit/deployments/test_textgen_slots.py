@@ -68,3 +68,22 @@ def test_lazy_zeros_are_zeros_of_the_shape_asked() -> None:
     t[1, 2, 3] = 4.0
     assert float(t.sum()) == 4.0
     assert lazy_zeros(0, 4, dtype=torch.float32).shape == (0, 4)
+
+
+def test_compacting_packs_held_rows_and_leaves_the_rest_unbacked() -> None:
+    table = SlotTable(1, 16, max_columns=128, initial_columns=128)
+    keys, values = _prompt(1, 60)
+    table.place(0, keys, values)
+    for _ in range(68):  # to the last column
+        table.begin_decode(1)
+        table.end_decode(1)
+    long_keys, long_values = _prompt(1, 100)
+    table.place(1, long_keys, long_values)  # right-aligned under col: columns 28-127
+    table.free(0)
+    table.begin_decode(2)  # no column left: row 1's 100 are packed to the left
+    assert table.compactions == 1 and table.col == 100
+    assert torch.equal(table.keys[0][1, :, :100], long_keys[0][0])
+    # 16 slots x 32 heads x 128 columns x 64 dims, 8 MiB: rows 0 and 1 back 1 MiB of it.
+    for t in (table.keys[0], table.values[0]):
+        assert _resident_pages(t) * mmap.PAGESIZE <= 2 * _ROW_BOUND_BYTES
+    assert not table.keys[0][2:].any()
