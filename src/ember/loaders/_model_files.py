@@ -53,8 +53,9 @@ BESIDE_CAP_BYTES = 64 << 20
 def read_present_beside(url: str, names: tuple[str, ...], config: LoaderConfig, *,
                         cap_bytes: int = BESIDE_CAP_BYTES) -> dict[str, bytes]:
     """Those of ``names`` that exist in the weights' folder, each read whole; a name that is
-    not there (as the source's ``exists`` judges: an HTTPS origin may answer 403 for a file
-    it lacks) is left out.
+    not there is left out. One ``stat`` a name: only when it fails otherwise than "not
+    found" does the source's ``exists`` judge (an HTTPS origin may answer 403 for a file it
+    lacks, and a HEAD more for every file is one round trip each on the cold path).
 
     Raises:
         SourceError: a file is over ``cap_bytes``, or the origin failed.
@@ -64,12 +65,14 @@ def read_present_beside(url: str, names: tuple[str, ...], config: LoaderConfig, 
     found: dict[str, bytes] = {}
     try:
         for name in names:
-            if not source.exists(folder + name):
-                continue
             try:
                 info = source.stat(folder + name)
             except (WeightsNotFound, FileNotFoundError):
                 continue
+            except SourceError:
+                if not source.exists(folder + name):
+                    continue
+                raise
             if info.size > cap_bytes:
                 raise SourceError(f"{info.size} bytes is over the {cap_bytes} a file beside the "
                                   "weights may have", url=source.describe(folder + name))

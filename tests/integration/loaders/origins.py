@@ -54,6 +54,8 @@ class HttpOrigin:
     ignore_range: bool = False
     short_by: int = 0
     delay_s: float = 0.0
+    #: What HEAD answers for a file it does not hold (an S3 website or CDN may say 403).
+    missing_status: int = 404
     log: list[tuple[str, str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
@@ -66,6 +68,10 @@ class HttpOrigin:
     def ranged_gets(self, name: str) -> list[str]:
         with self.lock:
             return [r for m, p, r in self.log if m == "GET" and p == f"/{name}"]
+
+    def heads(self, name: str) -> int:
+        with self.lock:
+            return sum(1 for m, p, _ in self.log if m == "HEAD" and p == f"/{name}")
 
 
 def handler_for(origin: HttpOrigin) -> type[BaseHTTPRequestHandler]:
@@ -86,8 +92,10 @@ def handler_for(origin: HttpOrigin) -> type[BaseHTTPRequestHandler]:
 
         def do_HEAD(self) -> None:
             name = self.path.lstrip("/")
+            with origin.lock:
+                origin.log.append(("HEAD", self.path, ""))
             if name not in origin.files:
-                self._head(404, 0, {})
+                self._head(origin.missing_status, 0, {})
                 return
             self._head(200, len(origin.files[name]), {"ETag": origin.etags[name]})
 

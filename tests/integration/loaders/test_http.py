@@ -14,6 +14,7 @@ from ember.loaders import (
     RangeNotSupported,
     ShortRead,
     load,
+    read_present_beside,
     stream,
 )
 
@@ -111,3 +112,18 @@ def test_threads_share_one_fetch_and_one_error(
     # Waiters got the leader's error instead of fetching themselves (on a loaded machine a
     # thread may start only after the failure and then fetches, and fails, on its own).
     assert http_origin.ranged_gets("model.safetensors").count("bytes=0-7") <= 2
+
+
+@pytest.mark.parametrize("missing_status", [404, 403])
+def test_files_beside_the_weights_cost_one_head_each_and_absent_ones_are_left_out(
+    http_origin: HttpOrigin, tmp_path: Path, config: LoaderConfig, missing_status: int
+) -> None:
+    http_origin.missing_status = missing_status
+    url, _ = _serve(http_origin, tmp_path, n=2)
+    http_origin.put("config.json", b'{"model_type": "llama"}')
+    http_origin.put("tokenizer.json", b"{}")
+    got = read_present_beside(url, ("config.json", "tokenizer.json", "vocab.txt"), config)
+    assert got == {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}"}
+    assert http_origin.heads("config.json") == http_origin.heads("tokenizer.json") == 1
+    # A 403 is told from a failure by one more HEAD, for the absent file only.
+    assert http_origin.heads("vocab.txt") == (1 if missing_status == 404 else 2)
