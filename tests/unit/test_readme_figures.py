@@ -246,6 +246,20 @@ def textgen_sizes(doc: dict[str, Any]) -> Cells:
     return _textgen(doc, "ember", "from_pretrained", "ttft_ratio_peer_over_ember",
                     ("Ember's loader", "from_pretrained", "from_pretrained / Ember"), ".2f")
 
+def textgen_first_prefill(doc: dict[str, Any]) -> Cells:
+    """``bench/textgen_first_prefill.py``: first and later prefill and decode, per table."""
+    cells: Cells = {}
+    for row in doc["rows"]:
+        label = f"{row['size'].removesuffix('gb')} GB, {row['table'].replace('_', '-')}"
+        first, later = row["first"], row["later"]
+        cells[label, "first prefill"] = f"{first['prefill_s']:.3f} s"
+        cells[label, "its page faults"] = f"{first['prefill_faults']:,.0f}"
+        cells[label, "later prefills"] = f"{later['prefill_s']:.3f} s"
+        cells[label, "first decode"] = f"{first['decode_s']:.3f} s"
+        cells[label, "later decodes"] = f"{later['decode_s']:.3f} s"
+    return cells
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,
     "bench/results/coldstart.json": coldstart,
@@ -262,6 +276,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/idle_cpu.json": idle_cpu,
     "bench/results/textgen_coldstart.json": textgen_coldstart,
     "bench/results/textgen_sizes.json": textgen_sizes,
+    "bench/results/textgen_first_prefill.json": textgen_first_prefill,
 }
 
 

@@ -15,8 +15,8 @@ its own length; the tensors grow by doubling up to ``max_columns`` on demand.
 
 The tensors are zeros that cost nothing until written (:func:`lazy_zeros`): a table sized for
 every slot is mostly rows no sequence holds, and zero-filling it with ``torch.zeros`` made the
-first prefill of a replica write all of it (570 MB for the 2 GB bench model at 256 columns,
-1.2 s of its cold start where the host backs a guest's memory lazily).
+first prefill of a replica write all of it (570 MB for the 2 GB ladder Llama at 256 columns;
+``bench/textgen_first_prefill.py`` counts its page faults either way).
 
 This is the padded-batch layout of Hugging Face's static batches, with per-row masks
 instead of left padding, so continuous batching needs no paging kernel; it runs on any

@@ -230,14 +230,14 @@ class Generator:
         is built beside, later.
 
         A warm-up prefill and decode step is a forward pass over every weight, twice, and a
-        request waiting at zero waits for it: 0.45-0.57 s of a 2 GB model's cold start on
-        CPU (``bench/textgen_coldstart.py``). In a warm-runtime worker, which ran torch's
-        operators when it started (``control/torch_warm``), the first prefill and decode of
-        a 2 GB Llama took as long as the next ones, so on CPU that worker's exercise runs
-        here instead (once per process, a few milliseconds on tiny tensors; a replica in a
-        fresh process gets it too). On an accelerator the forward pass stays: it is cheap
-        there, and it creates the device's kernels and library handles before the replica
-        takes traffic.
+        request waiting at zero waits for it: on CPU, about half a second of a 2 GB model's
+        cold start (``bench/textgen_coldstart.py``). In a process set up as a warm-runtime
+        worker is, which ran torch's operators when it started (``control/torch_warm``), the
+        first prefill and decode take as long as the next ones
+        (``bench/textgen_first_prefill.py``), so on CPU that exercise runs here instead
+        (once per process, on tiny tensors; a replica in a fresh process gets it too). On an
+        accelerator the forward pass stays: it is cheap there, and it creates the device's
+        kernels and library handles before the replica takes traffic.
 
         Structured output and logprobs need the model's llguidance tokenizer, a walk of the
         whole vocabulary in Python that grows with it. Built on the replica's start, every
