@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember import loaders
 
@@ -41,6 +41,49 @@ from ember.errors import HeaderInvalid, WeightsNotFound
 TOKENIZER_FILES = (CONFIG_NAME, "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja")
+
+
+#: Prompt blocks a backend's prefix cache holds (of ``PrefixCache``'s ``block_tokens`` each).
+PREFIX_BLOCKS = 256
+
+
+def table_columns(max_len: int) -> int:
+    """Columns of a slot table for sequences of up to ``max_len`` tokens: every row at full
+    length plus slack, so packing the rows (``SlotTable._compact``) is rare."""
+    return max_len + max(64, max_len // 4)
+
+
+def _model_len(config: Any, max_len: int) -> int:
+    """The longest sequence served: ``max_len``, or the model's positions if fewer."""
+    return min(max_len, int(getattr(config, "max_position_embeddings", None) or max_len))
+
+
+def cache_bytes(config: Any, *, slots: int, max_len: int,
+                prefix_blocks: int = PREFIX_BLOCKS) -> int:
+    """The most memory the KV caches of a backend serving ``slots`` sequences of up to
+    ``max_len`` tokens can hold, for a model of ``transformers`` ``config``: every slot's row
+    at the table's full width, and the prefix cache full, in the config's ``dtype`` (that of
+    the checkpoint's tensors, which the model keeps; ``float32`` when the config names
+    none, as ``from_pretrained`` would load it). A table growing to its width holds its old
+    half beside the new (``SlotTable._grow``), which this covers: the old half is freed
+    before the rows fill the rest.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+        ...                      num_key_value_heads=2, max_position_embeddings=128,
+        ...                      dtype="bfloat16")
+        >>> cache_bytes(config, slots=1, max_len=1024, prefix_blocks=0)  # 2*2*2*16*192*2
+        49152
+    """
+    text = config.get_text_config()
+    heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    per_token = 2 * int(text.num_hidden_layers) * heads * head_dim * dtype.itemsize
+    tokens = slots * table_columns(_model_len(config, max_len))
+    return per_token * (tokens + prefix_blocks * PrefixCache().block_tokens)
 
 
 def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:
@@ -112,14 +155,13 @@ class TransformersBackend(Backend):
     load_report: LoadReport | None = None
 
     def __init__(self, model: Any, tokenizer: Any, *, max_len: int = 1024,
-                 prefix_blocks: int = 256, max_pack_tokens: int = 1024) -> None:
+                 prefix_blocks: int = PREFIX_BLOCKS, max_pack_tokens: int = 1024) -> None:
         self.model, self.tokenizer = model.eval(), tokenizer
         head = model.get_output_embeddings()
         if head is not None:
             head.register_forward_pre_hook(_dense_input)
         self.eos_token_id = tokenizer.eos_token_id
-        self.max_len = min(max_len, int(getattr(model.config, "max_position_embeddings",
-                                                max_len)))
+        self.max_len = _model_len(model.config, max_len)
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache; accept either release line.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -151,19 +193,33 @@ class TransformersBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, *, config: loaders.LoaderConfig | None = None,
-                 max_len: int = 1024) -> TransformersBackend:
+                 max_len: int = 1024, slots: int = 0) -> TransformersBackend:
         """Load the model at ``url`` (any ``ember.loaders`` URL of a folder with
         ``config.json``, safetensors weights and a tokenizer) as the causal-LM deployment
         does: refused with a 503 when it cannot fit in free memory, the weights mapped from
         the node's caches (a second replica on the node shares their pages), the model built
         on ``meta`` meanwhile, no copy of any weight.
 
+        ``slots``: the sequences the engine will run at once; the fit check counts the KV
+        caches they and the prefix cache can fill (:func:`cache_bytes`) beside the weights.
+        The table is backed only as it is written, so a refusal here is for the load the
+        replica accepts, not for its first request: one that fits only while lightly used
+        would be killed by the kernel under load instead.
+
         Raises:
-            InsufficientMemory: the weights do not fit in the node's free memory.
+            InsufficientMemory: the weights and caches do not fit in the node's free memory.
             WeightsError: the weights or the tokenizer cannot be fetched or do not fit.
         """
         cfg = config or loaders.LoaderConfig()
-        model, report = load_causal_lm(url, config=cfg)
+
+        def reserve(doc: dict[str, Any]) -> tuple[int, str]:
+            model_config = AutoConfig.for_model(**doc)
+            need = cache_bytes(model_config, slots=slots, max_len=max_len)
+            columns = table_columns(_model_len(model_config, max_len))
+            return need, (f" and its KV caches at full load ({need}: {slots} sequences of "
+                          f"{columns} columns, {PREFIX_BLOCKS} prefix blocks)")
+
+        model, report = load_causal_lm(url, config=cfg, reserve=reserve if slots else None)
         backend = cls(model, tokenizer_beside(url, cfg), max_len=max_len)
         backend.load_report = report
         return backend
@@ -176,9 +232,7 @@ class TransformersBackend(Backend):
         return cls(model, tokenizer, max_len=max_len)
 
     def allocate(self, slots: int) -> None:
-        # Room for every row at full length plus slack, so packing the rows is rare.
-        slack = max(64, self.max_len // 4)
-        self.table = SlotTable(self.n_layers, slots, max_columns=self.max_len + slack)
+        self.table = SlotTable(self.n_layers, slots, max_columns=table_columns(self.max_len))
 
     def _table(self) -> SlotTable:
         if self.table is None:

@@ -31,6 +31,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,11 @@ CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
 CONFIG_NAME = "config.json"
 
 
+#: Bytes a caller will need beside the weights, and how the refusal names them (`` and ...``),
+#: from the model's ``config.json``.
+Reserve = Callable[[dict[str, Any]], tuple[int, str]]
+
+
 @dataclass
 class LoadReport:
     """How one replica's model was loaded: bytes, where they came from, seconds per phase."""
@@ -64,13 +70,16 @@ class LoadReport:
     read_bytes: int = 0  # bytes not in the page cache before the load (0: all resident)
     restored: bool = False  # mapped from the node's snapshot without touching the origin
     phases_s: dict[str, float] = field(default_factory=dict)
+    reserved_bytes: int = 0  # memory counted in the fit check beside the weights (a KV cache)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def check_fits(needed_bytes: int, free_bytes: int, *, what: str) -> None:
-    """Refuse a load whose weights do not fit in the node's free memory.
+def check_fits(needed_bytes: int, free_bytes: int, *, what: str,
+               parts: str = "its weights") -> None:
+    """Refuse a load whose weights (and ``parts`` beside them) do not fit in the node's free
+    memory.
 
     Raises:
         InsufficientMemory: ``needed_bytes`` is over ``free_bytes`` (503).
@@ -79,7 +88,8 @@ def check_fits(needed_bytes: int, free_bytes: int, *, what: str) -> None:
         >>> check_fits(1 << 30, 4 << 30, what="llama")
     """
     if needed_bytes > free_bytes:
-        raise InsufficientMemory(what=what, needed_bytes=needed_bytes, free_bytes=free_bytes)
+        raise InsufficientMemory(what=what, needed_bytes=needed_bytes, free_bytes=free_bytes,
+                                 parts=parts)
 
 
 def free_memory_bytes() -> int:
@@ -194,7 +204,8 @@ def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
 
 
 def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,
-                   device: str = "cpu") -> tuple[torch.nn.Module, LoadReport]:
+                   device: str = "cpu", reserve: Reserve | None = None
+                   ) -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
 
     The weights are mapped (or streamed) on a thread while this one reads ``config.json``
@@ -209,23 +220,29 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
         free_bytes: the node's free memory (``None``: measured now).
         device: ``"cpu"`` (views on the page cache) or a CUDA device: each tensor is copied
             once through the loaders' pinned staging buffer, in chunks (unmeasured here).
+        reserve: the memory the caller will need beside the weights, from the model's
+            ``config.json`` (a generation engine's KV cache at full load): counted in the fit
+            check, so the config is read before the weights rather than beside them.
 
     Returns:
         The model (parameters are views on the node cache's pages) and its load report.
 
     Raises:
-        InsufficientMemory: the weights do not fit in ``free_bytes``.
+        InsufficientMemory: the weights (and ``reserve``) do not fit in ``free_bytes``.
         WeightsError: the weights cannot be fetched, verified or assigned.
     """
     cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
     marks = [time.perf_counter()]
     size = weights_bytes(url, CODE_VERSION, cfg)
-    check_fits(size, free_memory_bytes() if free_bytes is None else free_bytes, what=url)
+    doc = _config_doc(read_beside(url, CONFIG_NAME, cfg)) if reserve else None
+    reserved = reserve(doc) if reserve is not None and doc is not None else (0, "")
+    check_fits(size + reserved[0], free_memory_bytes() if free_bytes is None else free_bytes,
+               what=url, parts=f"its weights ({size}){reserved[1]}")
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
         weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
         # A bad config.json is raised once the weights thread ends (leaving the pool waits).
-        model = build_on_meta(_config_doc(read_beside(url, CONFIG_NAME, cfg)))
+        model = build_on_meta(doc or _config_doc(read_beside(url, CONFIG_NAME, cfg)))
         marks.append(time.perf_counter())
         done = weights.result()
         marks.append(time.perf_counter())
@@ -235,7 +252,7 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
               "pages_wait": marks[3] - marks[2], "assign": marks[4] - marks[3],
               "total": marks[4] - marks[0], "pages_read": done.read_s}
     phases = {name: round(value, 4) for name, value in phases.items()}
-    report = LoadReport(size, done.read_bytes, done.got.restored, phases)
+    report = LoadReport(size, done.read_bytes, done.got.restored, phases, reserved[0])
     record_load(cfg.node_root(), {"url": url, "bytes": size, "read_bytes": done.read_bytes,
                                   "restored": done.got.restored, "seconds": phases["total"]})
     return model, report

@@ -64,15 +64,17 @@ def is_weights_url(model: str) -> bool:
     return "://" in model and not model.startswith("hf://")
 
 
-def load_backend(model: str | None = None) -> Backend:
+def load_backend(model: str | None = None, *, slots: int = 0) -> Backend:
     """The shipped TinyLM, or the ``transformers`` causal LM at ``model``: a weights URL
     (through the node cache, the regional tier and the node's snapshot, with the weights
     mapped rather than copied), a local directory, or ``hf://org/name[@revision]`` already
-    in the Hugging Face cache.
+    in the Hugging Face cache. ``slots``: the sequences its engine runs at once, whose KV
+    caches a URL model's fit check counts beside its weights.
 
     Raises:
         WeightsError: the weights cannot be read or do not fit their config.
-        InsufficientMemory: a URL's weights do not fit in the node's free memory (503).
+        InsufficientMemory: a URL's weights and KV caches do not fit in the node's free
+            memory (503).
         OSError: ``model`` is not on this machine (nothing is downloaded).
     """
     if model is None:
@@ -87,7 +89,7 @@ def load_backend(model: str | None = None) -> Backend:
     from ember.deployments._textgen_hf import TransformersBackend
 
     if is_weights_url(model):
-        return TransformersBackend.from_url(model)
+        return TransformersBackend.from_url(model, slots=slots)
     return TransformersBackend.from_directory(model)
 
 
@@ -292,7 +294,8 @@ class TextGen:
 
     def setup(self) -> None:
         config = settings.load()
-        self.generator = Generator(load_backend(served_model()[0]), ENGINE,
+        self.generator = Generator(load_backend(served_model()[0], slots=ENGINE.max_num_seqs),
+                                   ENGINE,
                                    adapters=config.textgen_adapters,
                                    max_adapters=config.textgen_max_adapters)
 

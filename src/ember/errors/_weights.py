@@ -78,10 +78,11 @@ class SourceError(WeightsError):
 
 
 class InsufficientMemory(WeightsError):
-    """A replica's weights do not fit in the node's free memory; refused before loading."""
+    """A replica's weights (with the cache its engine may fill) do not fit in the node's free
+    memory; refused before loading."""
 
     template: ClassVar[str] = (
-        "{what} needs {needed_bytes} bytes of memory for its weights but the node has "
+        "{what} needs {needed_bytes} bytes of memory for {parts} but the node has "
         "{free_bytes} bytes free; the replica was not started (free memory on the node, or "
         "place it on a larger one)"
     )

@@ -275,3 +275,42 @@ def test_warmup_on_cpu_runs_no_forward_pass_but_torchs_exercise(
     assert not textgen._on_accelerator(backend)
     assert textgen._on_accelerator(TransformersBackend(backend.model.to("meta"),
                                                        backend.tokenizer))
+
+
+def test_the_kv_caches_at_full_load_are_the_bytes_the_fit_check_counts(
+        model_dir: Path, cache: Path) -> None:
+    backend = TransformersBackend.from_url(model_dir.as_uri() + "/")
+    asyncio.run(_greedy(backend))  # two slots; every prompt's full blocks cached
+    # The checkpoint's config, which the fit check reads (its dtype is the tensors').
+    table, config = backend.table, transformers.AutoConfig.from_pretrained(model_dir)
+    assert table is not None and backend.prefix is not None and len(backend.prefix)
+    table._grow(table.max_columns)  # every row at the table's full width
+    held = sum(t.untyped_storage().nbytes() for t in (*table.keys, *table.values))
+    assert held == _hf.cache_bytes(config, slots=2, max_len=1024, prefix_blocks=0)
+    block = next(iter(backend.prefix._blocks.values()))
+    assert sum(t.nbytes for t in (*block.keys, *block.values)) == _hf.cache_bytes(
+        config, slots=0, max_len=1024, prefix_blocks=1)
+
+
+def test_a_replica_whose_kv_caches_cannot_fit_beside_its_weights_is_refused_before_loading(
+        model_dir: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.deployments import causal_lm
+    from ember.errors import InsufficientMemory
+
+    url = model_dir.as_uri() + "/"
+    weights = (model_dir / "model.safetensors").stat().st_size
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    kv = _hf.cache_bytes(config, slots=16, max_len=1024)
+    assert kv > weights  # a small model's caches at full load outweigh it
+    monkeypatch.setattr(causal_lm, "free_memory_bytes", lambda: weights + kv - 1)
+    with pytest.raises(InsufficientMemory) as caught:
+        TransformersBackend.from_url(url, slots=16)
+    message = str(caught.value)
+    assert caught.value.status_code == 503 and str(weights + kv) in message
+    assert f"KV caches at full load ({kv}: 16 sequences" in message, message
+    assert not list(cache.glob("*/blobs/*")), "weights were fetched before the refusal"
+    # Without the engine's slots the weights alone fit: the caches made the difference.
+    assert TransformersBackend.from_url(url).load_report.reserved_bytes == 0
+    monkeypatch.setattr(causal_lm, "free_memory_bytes", lambda: weights + kv)
+    fits = TransformersBackend.from_url(url, slots=16)
+    assert fits.load_report is not None and fits.load_report.reserved_bytes == kv
