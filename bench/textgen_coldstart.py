@@ -186,7 +186,7 @@ def main() -> int:
               f"({r['ttft_ratio_rayserve_over_ember']:.2f}x; same text: {r['same_text']})")
     name = "textgen_coldstart.short.json" if args.short else "textgen_coldstart.json"
     out = {"benchmark": "textgen_coldstart", "size": size, "trials": trials, "rows": rows,
-           "tokens": TOKENS, "host": {"cpus": os.cpu_count()}, "complete": True}
+           "tokens": TOKENS, "host": h.host_facts(args.short), "complete": True}
     (sizes.RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {sizes.RESULTS / name}")
     return 0

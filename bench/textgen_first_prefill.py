@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _harness as h
+
 HERE = Path(__file__).resolve().parent
 TABLES = ("lazy", "zero_filled")
 PROMPTS = ("warm up", "def main():\n    ", "hello there")
@@ -114,7 +116,7 @@ def main() -> int:
                   flush=True)
     out = HERE / "results" / "textgen_first_prefill.json"
     out.write_text(json.dumps({"benchmark": "textgen_first_prefill", "trials": args.trials,
-                               "rows": rows, "host": {"cpus": os.cpu_count()},
+                               "rows": rows, "host": h.host_facts(False),
                                "complete": True}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -21,7 +21,7 @@ that names every id beside them (:func:`ladder_tokenizer`), so both read the ver
 inodes' bytes.
 
 Usage:
-    .venv/bin/python bench/textgen_sizes.py [--sizes 0.5gb 2gb] [--rounds 5] [--short]
+    .venv/bin/python bench/textgen_sizes.py [--sizes 0.5gb 2gb] [--rounds 5] [--short] [--out F]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import _harness as h
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -170,6 +172,8 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["0.5gb", "2gb"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--short", action="store_true", help="0.5gb, two rounds")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write (default bench/results/textgen_sizes[.short].json)")
     args = parser.parse_args()
     sizes, rounds = (["0.5gb"], 2) if args.short else (args.sizes, args.rounds)
     rows = [row for size in sizes for row in measure(size, rounds)]
@@ -180,9 +184,10 @@ def main() -> int:
               f"(same tokens: {row['same_tokens']})")
     name = "textgen_sizes.short.json" if args.short else "textgen_sizes.json"
     out = {"benchmark": "textgen_sizes", "rows": rows, "rounds": rounds,
-           "host": {"cpus": os.cpu_count()}, "complete": True}
-    (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS / name}")
+           "host": h.host_facts(args.short), "complete": True}
+    path = args.out or RESULTS / name
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
     return 0
 
 

@@ -276,6 +276,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/idle_cpu.json": idle_cpu,
     "bench/results/textgen_coldstart.json": textgen_coldstart,
     "bench/results/textgen_sizes.json": textgen_sizes,
+    "bench/results/textgen_sizes.avx2.json": textgen_sizes,
     "bench/results/textgen_first_prefill.json": textgen_first_prefill,
 }
 
