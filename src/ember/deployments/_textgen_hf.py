@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ember import loaders
+from ember.control.prefix_routing import BLOCK_TOKENS
 
 # transformers' model code at import: the app preloads this module in the warm runtime.
 from ember.deployments import _hf_preload  # noqa: F401
@@ -43,7 +44,8 @@ TOKENIZER_FILES = (CONFIG_NAME, "tokenizer.json", "tokenizer_config.json",
                    "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja")
 
 
-#: Prompt blocks a backend's prefix cache holds (of ``PrefixCache``'s ``block_tokens`` each).
+#: Prompt blocks a backend's prefix cache holds (of ``BLOCK_TOKENS`` tokens each, the prefix
+#: router's block).
 PREFIX_BLOCKS = 256
 
 
@@ -83,7 +85,7 @@ def cache_bytes(config: Any, *, slots: int, max_len: int,
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     per_token = 2 * int(text.num_hidden_layers) * heads * head_dim * dtype.itemsize
     tokens = slots * table_columns(_model_len(config, max_len))
-    return per_token * (tokens + prefix_blocks * PrefixCache().block_tokens)
+    return per_token * (tokens + prefix_blocks * BLOCK_TOKENS)
 
 
 def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:

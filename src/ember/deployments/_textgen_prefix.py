@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.control.prefix_routing import block_names
+from ember.control.prefix_routing import BLOCK_TOKENS, block_names
 
 #: Where a block's keys/values were computed: None for the base, else an adapter's load
 #: (its name and the generation of that load).
@@ -57,7 +57,7 @@ class Block:
 class PrefixCache:
     """Blocks of prompt keys/values by prefix, LRU among the leaves."""
 
-    def __init__(self, *, block_tokens: int = 16, max_blocks: int = 1024) -> None:
+    def __init__(self, *, block_tokens: int = BLOCK_TOKENS, max_blocks: int = 1024) -> None:
         self.block_tokens, self.max_blocks = block_tokens, max_blocks
         self._blocks: OrderedDict[Key, Block] = OrderedDict()
         # ``drop`` comes from the thread that evicts an adapter, while a step may look up.

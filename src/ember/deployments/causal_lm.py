@@ -234,8 +234,10 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
     marks = [time.perf_counter()]
     size = weights_bytes(url, CODE_VERSION, cfg)
-    doc = _config_doc(read_beside(url, CONFIG_NAME, cfg)) if reserve else None
-    reserved = reserve(doc) if reserve is not None and doc is not None else (0, "")
+    doc, reserved = None, (0, "")
+    if reserve is not None:
+        doc = _config_doc(read_beside(url, CONFIG_NAME, cfg))
+        reserved = reserve(doc)
     check_fits(size + reserved[0], free_memory_bytes() if free_bytes is None else free_bytes,
                what=url, parts=f"its weights ({size}){reserved[1]}")
     marks.append(time.perf_counter())
