@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import inspect
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
 from ember import loaders
 from ember.control.prefix_routing import BLOCK_TOKENS
@@ -88,15 +89,21 @@ def cache_bytes(config: Any, *, slots: int, max_len: int,
     return per_token * (tokens + prefix_blocks * BLOCK_TOKENS)
 
 
-def tokenizer_beside(url: str, config: loaders.LoaderConfig) -> Any:
+def tokenizer_beside(url: str, config: loaders.LoaderConfig, *,
+                     have: Mapping[str, bytes] | None = None) -> Any:
     """The tokenizer saved in the folder of the weights at ``url``, read through the loaders'
     sources (so from S3 or HTTP as from a local folder) into a private directory.
+
+    ``have``: those of its files the caller has read already (``config.json``, read for the
+    model), which are not fetched again.
 
     Raises:
         WeightsNotFound: the folder holds none of the tokenizer's files (404).
         HeaderInvalid: they are there but do not make a tokenizer (503).
     """
-    files = loaders.read_present_beside(url, TOKENIZER_FILES, config)
+    known = dict(have or {})
+    files = {**known, **loaders.read_present_beside(
+        url, tuple(name for name in TOKENIZER_FILES if name not in known), config)}
     if set(files) <= {CONFIG_NAME}:
         raise WeightsNotFound(f"no tokenizer beside the weights (looked for "
                               f"{', '.join(TOKENIZER_FILES[1:])})", url=url)
@@ -214,15 +221,19 @@ class TransformersBackend(Backend):
         """
         cfg = config or loaders.LoaderConfig()
 
-        def reserve(doc: dict[str, Any]) -> tuple[int, str]:
-            model_config = AutoConfig.for_model(**doc)
+        def reserve(model_config: PretrainedConfig) -> tuple[int, str]:
             need = cache_bytes(model_config, slots=slots, max_len=max_len)
             columns = table_columns(_model_len(model_config, max_len))
             return need, (f" and its KV caches at full load ({need}: {slots} sequences of "
                           f"{columns} columns, {PREFIX_BLOCKS} prefix blocks)")
 
-        model, report = load_causal_lm(url, config=cfg, reserve=reserve if slots else None)
-        backend = cls(model, tokenizer_beside(url, cfg), max_len=max_len)
+        # Read once: the fit check, the model's build and the tokenizer all use it, and on a
+        # regional or origin URL each read is a round trip on the cold path.
+        config_json = loaders.read_beside(url, CONFIG_NAME, cfg)
+        model, report = load_causal_lm(url, config=cfg, reserve=reserve if slots else None,
+                                       config_json=config_json)
+        backend = cls(model, tokenizer_beside(url, cfg, have={CONFIG_NAME: config_json}),
+                      max_len=max_len)
         backend.load_report = report
         return backend
 

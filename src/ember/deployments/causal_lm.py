@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import psutil
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import ember
 from ember import loaders
@@ -58,8 +58,8 @@ CONFIG_NAME = "config.json"
 
 
 #: Bytes a caller will need beside the weights, and how the refusal names them (`` and ...``),
-#: from the model's ``config.json``.
-Reserve = Callable[[dict[str, Any]], tuple[int, str]]
+#: from the model's config.
+Reserve = Callable[[PretrainedConfig], tuple[int, str]]
 
 
 @dataclass
@@ -97,19 +97,26 @@ def free_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _config_doc(raw: bytes) -> dict[str, Any]:
+def model_config(raw: bytes) -> PretrainedConfig:
+    """The ``transformers`` config that ``config.json``'s bytes ``raw`` hold.
+
+    Raises:
+        HeaderInvalid: ``raw`` is not JSON or names no ``model_type``.
+    """
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HeaderInvalid(name=CONFIG_NAME, reason=f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or "model_type" not in doc:
         raise HeaderInvalid(name=CONFIG_NAME, reason="no model_type")
-    return doc
+    return AutoConfig.for_model(**doc)
 
 
-def build_on_meta(config_doc: dict[str, Any]) -> torch.nn.Module:
-    """The model ``config_doc`` describes, built on the ``meta`` device (no memory)."""
-    config = AutoConfig.for_model(**config_doc)
+def build_on_meta(config: PretrainedConfig | dict[str, Any]) -> torch.nn.Module:
+    """The model ``config`` (or ``config.json``'s document) describes, built on the ``meta``
+    device (no memory)."""
+    if isinstance(config, dict):
+        config = AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
             config, dtype=torch.bfloat16)
@@ -147,6 +154,11 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
             model.set_submodule(name, type(module)(config=config).to(device))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()  # type: ignore[operator]
+    if config is not None:
+        # The model was built in bf16 on meta, and its parameters are now the checkpoint's
+        # (a float32 one stays float32): the config must say what they are, as
+        # from_pretrained's does, for whatever sizes buffers or saves the model by it.
+        config.dtype = next(model.parameters()).dtype
     missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing:
         raise HeaderInvalid(name="state dict", reason=f"weights missing: {missing[:5]}")
@@ -204,8 +216,8 @@ def _map_and_prefetch(url: str, cfg: LoaderConfig, device: str) -> _Weights:
 
 
 def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = None,
-                   device: str = "cpu", reserve: Reserve | None = None
-                   ) -> tuple[torch.nn.Module, LoadReport]:
+                   device: str = "cpu", reserve: Reserve | None = None,
+                   config_json: bytes | None = None) -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
 
     The weights are mapped (or streamed) on a thread while this one reads ``config.json``
@@ -223,6 +235,8 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
         reserve: the memory the caller will need beside the weights, from the model's
             ``config.json`` (a generation engine's KV cache at full load): counted in the fit
             check, so the config is read before the weights rather than beside them.
+        config_json: ``config.json``'s bytes, when the caller has read them already (a
+            generation replica needs them for its tokenizer too): not fetched again.
 
     Returns:
         The model (parameters are views on the node cache's pages) and its load report.
@@ -234,17 +248,17 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
     marks = [time.perf_counter()]
     size = weights_bytes(url, CODE_VERSION, cfg)
-    doc, reserved = None, (0, "")
-    if reserve is not None:
-        doc = _config_doc(read_beside(url, CONFIG_NAME, cfg))
-        reserved = reserve(doc)
+    model_cfg, reserved = None, (0, "")
+    if reserve is not None or config_json is not None:
+        model_cfg = model_config(config_json or read_beside(url, CONFIG_NAME, cfg))
+        reserved = reserve(model_cfg) if reserve is not None else reserved
     check_fits(size + reserved[0], free_memory_bytes() if free_bytes is None else free_bytes,
                what=url, parts=f"its weights ({size}){reserved[1]}")
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
         weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
         # A bad config.json is raised once the weights thread ends (leaving the pool waits).
-        model = build_on_meta(doc or _config_doc(read_beside(url, CONFIG_NAME, cfg)))
+        model = build_on_meta(model_cfg or model_config(read_beside(url, CONFIG_NAME, cfg)))
         marks.append(time.perf_counter())
         done = weights.result()
         marks.append(time.perf_counter())

@@ -94,6 +94,10 @@ def test_a_weights_url_generates_what_from_pretrained_does_from_mapped_cache_pag
     outs = asyncio.run(_greedy(got))
     assert outs == asyncio.run(_greedy(want))
     assert len({t for out in outs for t in out}) > 4  # not one repeated token
+    # Built in bf16 on meta, holding the float32 checkpoint's tensors: the config says so,
+    # as from_pretrained's does.
+    assert got.model.config.dtype == want.model.config.dtype == torch.float32
+    assert {p.dtype for p in got.model.parameters()} == {torch.float32}
     # Every parameter lies in a mapping of a blob of the node cache: the loaders mapped
     # them, nothing copied them (from_pretrained's own tensors would fail this).
     blobs = [(s, e) for s, e, path in _mapped_files() if path.startswith(str(cache))]
