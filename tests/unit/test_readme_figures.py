@@ -260,6 +260,26 @@ def textgen_first_prefill(doc: dict[str, Any]) -> Cells:
     return cells
 
 
+def page_reads(doc: dict[str, Any]) -> Cells:
+    """``bench/page_reads.py``: ``LoaderConfig.huge_pages`` (``populate_8x32mib_huge_seq``)
+    against the default's populate, the cold read and the next mapping of the same pages."""
+    option, default = "populate_8x32mib_huge_seq", "populate_8x32mib"
+    cold, remap, ratios = doc["median_gbps"], doc["remap_median_gbps"], doc["ratios"]
+    label = ("at rest (freed long before, handed back to the host)" if doc["at_rest"]
+             else "just freed (the trial before freed 2 MiB folios)")
+    pmd = [b >> 20 for b in doc["file_pmd_mapped_bytes"][option]]
+    return {
+        (label, "cold read, option / default"):
+            f"{ratios[option + '_over_' + default]:.2f}x ({cold[option]:.2f} / "
+            f"{cold[default]:.2f} GB/s)",
+        (label, "next mapping, option / default"):
+            f"{ratios['remap_after_huge_seq_over_remap_after_' + default]:.1f}x "
+            f"({remap[option]:.1f} / {remap[default]:.1f} GB/s)",
+        (label, "2 MiB-mapped after the option"):
+            f"{min(pmd)}-{max(pmd)} MiB of {doc['bytes'] >> 20}",
+    }
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/throughput.json": throughput,
     "bench/results/coldstart.json": coldstart,
@@ -278,6 +298,8 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/textgen_sizes.json": textgen_sizes,
     "bench/results/textgen_sizes.avx2.json": textgen_sizes,
     "bench/results/textgen_first_prefill.json": textgen_first_prefill,
+    "bench/results/page_reads.json": page_reads,
+    "bench/results/page_reads_at_rest.json": page_reads,
 }
 
 

@@ -62,7 +62,8 @@ class LocalWeights:
         copier = _copier(device, cfg)
         out: dict[str, torch.Tensor] = {}
         for path in self.paths:
-            for name, tensor in MappedFile(path, cfg.max_header_bytes).tensors():
+            for name, tensor in MappedFile(path, cfg.max_header_bytes,
+                                             huge_pages=cfg.huge_pages).tensors():
                 out[name] = copier.copy(tensor) if copier else tensor
         return out
 
@@ -78,7 +79,7 @@ def _map_hit(node: NodeTier, hit: NodeHit, cfg: LoaderConfig) -> MappedFile | No
     from ember.loaders._tensors import MappedFile
 
     try:
-        mapped = MappedFile(hit.path, cfg.max_header_bytes)
+        mapped = MappedFile(hit.path, cfg.max_header_bytes, huge_pages=cfg.huge_pages)
         if cfg.verify_hits:
             mapped.verify(hit.record.sha256)
     except (FileNotFoundError, HeaderInvalid, IntegrityError):

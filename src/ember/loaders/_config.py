@@ -40,6 +40,14 @@ class LoaderConfig(BaseModel):
         max_header_bytes: largest safetensors header accepted (at most 100 MB).
         staging_bytes: size of the pinned buffer used for host-to-device copies.
         verify_hits: re-hash a node-cache blob on every hit (slow, thorough).
+        huge_pages: map node-cache blobs ``MADV_HUGEPAGE``: a cold read brings the pages
+            into 2 MiB folios, and every later mapping of them (the next replica on the
+            node, the next start from zero) takes one page-table entry per 2 MiB instead of
+            512. ``bench/page_reads.py`` on this project's VM: later mappings 5-7x faster,
+            cold reads 2x faster right after memory was freed but about half as fast once
+            freed memory went back to the host (free page reporting), hence off by default
+            (docs/coldstart-sizes.md). Linux with a filesystem that caches large folios
+            (ext4, xfs); elsewhere a no-op.
         cache_write: ``"behind"``: a load returns once its bytes are in memory, and the node
             cache is filled from those bytes in the background; ``"through"``: every byte
             is written to the node cache as it arrives and the load returns once the blob
@@ -74,6 +82,7 @@ class LoaderConfig(BaseModel):
     max_header_bytes: int = Field(default=HEADER_CAP_BYTES, ge=2, le=HEADER_CAP_BYTES)
     staging_bytes: PositiveInt = 64 * MiB
     verify_hits: bool = False
+    huge_pages: bool = False
     cache_write: Literal["auto", "behind", "through"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     regional_storage_options: dict[str, Any] = Field(default_factory=dict)

@@ -7,6 +7,7 @@ private to its process instead of corrupting the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -68,12 +69,13 @@ class MappedFile:
     Args:
         path: the file (a published node-cache blob).
         cap_bytes: the largest header accepted.
+        huge_pages: advise the mapping ``MADV_HUGEPAGE`` (``LoaderConfig.huge_pages``).
 
     Raises:
         HeaderInvalid: the mapped header does not validate (a corrupted blob).
     """
 
-    def __init__(self, path: Path, cap_bytes: int) -> None:
+    def __init__(self, path: Path, cap_bytes: int, *, huge_pages: bool = False) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -81,6 +83,12 @@ class MappedFile:
             # as far (``ember.loaders.pages.populate`` reads the weights in file order).
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self.buffer = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else mmap.mmap(-1, 1)
+            if huge_pages and size and hasattr(mmap, "MADV_HUGEPAGE"):
+                # Before the header read below faults the first pages in: pages the mapping
+                # reads from disk come in 2 MiB folios, each mapped by one entry, now and by
+                # every later mapping of the blob. A hint: refused, it changes nothing.
+                with contextlib.suppress(OSError):
+                    self.buffer.madvise(mmap.MADV_HUGEPAGE)
         finally:
             os.close(fd)  # the mapping keeps the file alive, even after an eviction unlinks it
         name = str(path)
