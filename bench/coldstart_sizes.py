@@ -4,7 +4,10 @@ For each size (``bench/model_ladder.py``), through Ember's edges on a local Ray 
 ``causal_lm`` deployment scaled to zero is sent one ``POST /lm`` (one forward pass) per
 trial, on four paths:
 
-1. ``disk_warm``: the node cache's blobs, every page in the page cache;
+1. ``disk_warm``: the node cache's blobs, every page in the page cache, as a replica's cold
+   read left them (dropped, then mapped and populated with the deployment's loader
+   options: the size of the page-cache folios that read leaves decides what mapping them
+   costs, see ``bench/page_reads.py``);
 2. ``disk_cold``: the same blobs with their pages dropped (``POSIX_FADV_DONTNEED``, checked
    with ``mincore``) before the trial;
 3. ``regional``: the same files from an S3-protocol server on loopback (moto, O(range)
@@ -41,7 +44,8 @@ Usage:
         [--paths regional ...]
 
 ``--paths`` runs a subset of the paths and writes ``coldstart_sizes_<paths>[.short].json``
-beside the full file instead of replacing it.
+beside the full file instead of replacing it. ``--huge-pages`` runs every Ember load with
+``LoaderConfig(huge_pages=True)`` and adds ``_huge_pages`` to the file's name.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ class Peers:
 class Rung:
     """One size's files, URLs, caches and deployments."""
 
-    def __init__(self, size: str, work: Path, endpoint: str) -> None:
+    def __init__(self, size: str, work: Path, endpoint: str, huge_pages: bool = False) -> None:
         self.size = size
         self.folder = model_ladder.ensure(size)
         self.files = sorted(self.folder.glob("*.safetensors"))
@@ -131,8 +135,10 @@ class Rung:
         self.names = {"a": f"LM{tag}", "b": f"LM{tag}b", "r": f"LM{tag}r"}
         self.disk_cache = work / f"node-{tag}"
         self.reg_cache = work / f"node-{tag}-regional"
-        self.disk_opts = {"cache_dir": str(self.disk_cache), "min_free_bytes": 0}
+        self.disk_opts = {"cache_dir": str(self.disk_cache), "min_free_bytes": 0,
+                          "huge_pages": huge_pages}
         self.s3_opts = {"cache_dir": str(self.reg_cache), "min_free_bytes": 0,
+                        "huge_pages": huge_pages,
                         "range_bytes": 8 << 20, "max_concurrency": 8,
                         "storage_options": {**S3_OPTIONS,
                                             "client_kwargs": {"endpoint_url": endpoint}}}
@@ -184,9 +190,7 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
     if path == "disk_cold":
         out["resident_after_drop_bytes"] = lim.drop(rung.blobs)
     elif path == "disk_warm":
-        from ember.loaders.pages import prefetch
-
-        prefetch(rung.blobs)
+        read_as_a_replica(rung)
     elif path == "regional":
         shutil.rmtree(rung.reg_cache, ignore_errors=True)
     out["settle_s"] = lim.settle(rung.bytes)
@@ -199,6 +203,23 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
     if path == "disk_warm":
         out["forward_s"] = post(base + route, deadline)[1]  # the same replica, warm
     return out
+
+
+def read_as_a_replica(rung: Rung) -> None:
+    """Drop the blobs' pages, then read them in as a replica's cold load does (its mapping
+    and advice, then populate), and unmap: the page cache a warm start finds."""
+    from ember.loaders import LoaderConfig
+    from ember.loaders._reader import buffer_address
+    from ember.loaders._tensors import MappedFile
+    from ember.loaders.pages import populate
+
+    if lim.drop(rung.blobs):
+        raise RuntimeError("pages stayed resident after the drop")
+    cfg = LoaderConfig(**rung.disk_opts)
+    for blob in rung.blobs:
+        mapped = MappedFile(blob, cfg.max_header_bytes, huge_pages=cfg.huge_pages)
+        populate([(buffer_address(mapped.buffer), len(mapped.buffer))])
+        mapped.buffer.close()
 
 
 def _forwards(body: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +425,8 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", help="ladder sizes (0.5gb 2gb 6gb; short 0.5gb 2gb)")
     parser.add_argument("--trials", type=int, help="rounds per path (3; short 1)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, help="a subset of the paths (all)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="Ember's loads with LoaderConfig(huge_pages=True)")
     args = h.pick(parser.parse_args(), sizes=(["0.5gb", "2gb", "6gb"], ["0.5gb", "2gb"]),
                   trials=(3, 1))
     paths = tuple(p for p in PATHS if p in (args.paths or PATHS))
@@ -420,7 +443,7 @@ def main() -> int:
         base = _serving.start_serve(h.free_port(), preload=preload())
         for size in args.sizes:
             def one(size: str = size) -> None:
-                rung = Rung(size, work, endpoint)
+                rung = Rung(size, work, endpoint, huge_pages=args.huge_pages)
                 assert peers is not None
                 rows.extend(run_size(rung, base, peers, args.trials, work, deadline, endpoint,
                                      paths))
@@ -437,6 +460,7 @@ def main() -> int:
         server.kill()
         shutil.rmtree(work, ignore_errors=True)
     name = "coldstart_sizes" if paths == PATHS else "_".join(("coldstart_sizes", *paths))
+    name += "_huge_pages" if args.huge_pages else ""
     h.write_results(name, {
         "complete": not errors, "errors": errors, "rows": rows,
         "second_replica_largest_over_smallest": size_growth(rows),
@@ -445,7 +469,7 @@ def main() -> int:
                      "installs here from PyPI, npm or Debian (MinIO, SeaweedFS, Garage and "
                      "versitygw are not packaged there; s3rver is slower than moto)",
         "config": {"sizes": args.sizes, "trials": args.trials, "paths": paths,
-                   "tokens": len(TOKENS),
+                   "tokens": len(TOKENS), "huge_pages": args.huge_pages,
                    "preload": preload(), "replica_cpus": _serving.REPLICA_CPUS,
                    "settle_s": {"base": lim.SETTLE_BASE_S, "per_gb": lim.SETTLE_S_PER_GB}},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
