@@ -43,7 +43,7 @@ class LoaderConfig(BaseModel):
         huge_pages: map node-cache blobs ``MADV_HUGEPAGE``: a cold read brings the pages
             into 2 MiB folios, and every later mapping of them (the next replica on the
             node, the next start from zero) takes one page-table entry per 2 MiB instead of
-            512. ``bench/page_reads.py`` on this project's VM: later mappings 5-7x faster,
+            512. ``bench/page_reads.py`` on this project's VM: later mappings 6.0-7.4x faster,
             cold reads 2x faster right after memory was freed but about half as fast once
             freed memory went back to the host (free page reporting), hence off by default
             (docs/coldstart-sizes.md). Linux with a filesystem that caches large folios
