@@ -44,8 +44,10 @@ Usage:
         [--paths regional ...]
 
 ``--paths`` runs a subset of the paths and writes ``coldstart_sizes_<paths>[.short].json``
-beside the full file instead of replacing it. ``--huge-pages`` runs every Ember load with
-``LoaderConfig(huge_pages=True)`` and adds ``_huge_pages`` to the file's name.
+beside the full file instead of replacing it. ``--huge-pages on|off`` runs every Ember load
+with ``LoaderConfig(huge_pages=True|False)`` instead of the default ``"auto"`` (off on a
+machine whose balloon reports free pages, as this project's VM); ``on`` adds ``_huge_pages``
+to the file's name.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ import _sizes_limits as lim
 import httpx
 import model_ladder
 import psutil
+
+from ember.loaders import LoaderConfig
 
 TOKENS = [1, 306, 496, 445, 124, 289]  # under the tiny rung's vocabulary of 512
 PEERS_DISK = ("ember", "from_pretrained", "load_file", "fastsafetensors", "runai")
@@ -125,7 +129,8 @@ class Peers:
 class Rung:
     """One size's files, URLs, caches and deployments."""
 
-    def __init__(self, size: str, work: Path, endpoint: str, huge_pages: bool = False) -> None:
+    def __init__(self, size: str, work: Path, endpoint: str,
+                 huge_pages: bool | str = "auto") -> None:
         self.size = size
         self.folder = model_ladder.ensure(size)
         self.files = sorted(self.folder.glob("*.safetensors"))
@@ -208,7 +213,6 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
 def read_as_a_replica(rung: Rung) -> None:
     """Drop the blobs' pages, then read them in as a replica's cold load does (its mapping
     and advice, then populate), and unmap: the page cache a warm start finds."""
-    from ember.loaders import LoaderConfig
     from ember.loaders._reader import buffer_address
     from ember.loaders._tensors import MappedFile
     from ember.loaders.pages import populate
@@ -217,7 +221,7 @@ def read_as_a_replica(rung: Rung) -> None:
         raise RuntimeError("pages stayed resident after the drop")
     cfg = LoaderConfig(**rung.disk_opts)
     for blob in rung.blobs:
-        mapped = MappedFile(blob, cfg.max_header_bytes, huge_pages=cfg.huge_pages)
+        mapped = MappedFile(blob, cfg.max_header_bytes, huge_pages=cfg.maps_huge())
         populate([(buffer_address(mapped.buffer), len(mapped.buffer))])
         mapped.buffer.close()
 
@@ -425,11 +429,12 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", help="ladder sizes (0.5gb 2gb 6gb; short 0.5gb 2gb)")
     parser.add_argument("--trials", type=int, help="rounds per path (3; short 1)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, help="a subset of the paths (all)")
-    parser.add_argument("--huge-pages", action="store_true",
-                        help="Ember's loads with LoaderConfig(huge_pages=True)")
+    parser.add_argument("--huge-pages", choices=("auto", "on", "off"), default="auto",
+                        help="LoaderConfig.huge_pages for Ember's loads (auto)")
     args = h.pick(parser.parse_args(), sizes=(["0.5gb", "2gb", "6gb"], ["0.5gb", "2gb"]),
                   trials=(3, 1))
     paths = tuple(p for p in PATHS if p in (args.paths or PATHS))
+    huge_pages = {"on": True, "off": False}.get(args.huge_pages, "auto")
     deadline = h.install_deadline(args.deadline_s)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
@@ -443,7 +448,7 @@ def main() -> int:
         base = _serving.start_serve(h.free_port(), preload=preload())
         for size in args.sizes:
             def one(size: str = size) -> None:
-                rung = Rung(size, work, endpoint, huge_pages=args.huge_pages)
+                rung = Rung(size, work, endpoint, huge_pages=huge_pages)
                 assert peers is not None
                 rows.extend(run_size(rung, base, peers, args.trials, work, deadline, endpoint,
                                      paths))
@@ -460,7 +465,7 @@ def main() -> int:
         server.kill()
         shutil.rmtree(work, ignore_errors=True)
     name = "coldstart_sizes" if paths == PATHS else "_".join(("coldstart_sizes", *paths))
-    name += "_huge_pages" if args.huge_pages else ""
+    name += "_huge_pages" if huge_pages is True else ""
     h.write_results(name, {
         "complete": not errors, "errors": errors, "rows": rows,
         "second_replica_largest_over_smallest": size_growth(rows),
@@ -470,6 +475,7 @@ def main() -> int:
                      "versitygw are not packaged there; s3rver is slower than moto)",
         "config": {"sizes": args.sizes, "trials": args.trials, "paths": paths,
                    "tokens": len(TOKENS), "huge_pages": args.huge_pages,
+                   "maps_huge": LoaderConfig(huge_pages=huge_pages).maps_huge(),
                    "preload": preload(), "replica_cpus": _serving.REPLICA_CPUS,
                    "settle_s": {"base": lim.SETTLE_BASE_S, "per_gb": lim.SETTLE_S_PER_GB}},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),

@@ -17,6 +17,10 @@ the page cache before each trial (``POSIX_FADV_DONTNEED``, checked with ``mincor
 * ``populate_8x32mib_huge``: as ``populate_8x32mib``, the mappings advised ``MADV_HUGEPAGE``
   instead of sequential, so the kernel reads the pages into 2 MiB folios and maps each with
   one page-table entry; ``populate_8x32mib_huge_seq`` with the sequential advice as well;
+* ``stream_1x32mib`` / ``stream_per_file_32mib``: the default's mapping and advice, but each
+  file populated in order by one worker (32 MiB a call), one worker for all files or one per
+  file: the kernel's readahead grows its folios to 2 MiB on a file read in order, which the
+  default's eight workers, interleaved over one file, never let it do;
 * ``direct_8x16mib``: each file read with ``O_DIRECT`` into a private anonymous buffer,
   eight 16 MiB reads in flight, each chunk's pages allocated before its read and touched
   after it, as ``populate`` touches its chunks (fastsafetensors' CPU reads use ``O_DIRECT`` too).
@@ -57,7 +61,7 @@ from ember.loaders.pages import populate, prefault, prefetch, touch
 
 WAYS = ("populate_4x64mib", "populate_8x32mib", "populate_8x32mib_unhinted",
         "populate_8x32mib_huge", "populate_8x32mib_huge_seq", "pread_4", "direct_8x16mib",
-        "pread_4_then_populate")
+        "pread_4_then_populate", "stream_1x32mib", "stream_per_file_32mib")
 SETTINGS = {"populate_4x64mib": (4, 64 << 20), "populate_8x32mib": (8, 32 << 20)}
 
 
@@ -106,19 +110,27 @@ def remap(files: list[Path]) -> tuple[float, int]:
 
 def populate_gbps(files: list[Path], workers: int, chunk_bytes: int,
                   at_rest: bool = False, read_first: bool = False,
-                  sequential: bool = True, huge: bool = False) -> float:
+                  sequential: bool = True, huge: bool = False,
+                  per_span: bool = False) -> float:
     """GB/s of mapping ``files`` and populating every page, from a cold page cache; with
     ``read_first``, the pages are first read into the page cache by four plain readers
     (``ember.loaders.pages.prefetch``), so that populate only maps them; without
     ``sequential``, neither the files nor the mappings are advised sequential; with
-    ``huge``, the mappings are advised ``MADV_HUGEPAGE``."""
+    ``huge``, the mappings are advised ``MADV_HUGEPAGE``; with ``per_span``, each file
+    is populated in order by one of ``workers``."""
     cold(files, at_rest)
     start = time.perf_counter()
     if read_first:
         prefetch(files, workers=4)
     flats = _map(files, sequential=sequential, huge=huge)
     spans = [(t.data_ptr(), t.numel()) for t in flats]
-    if not populate(spans, workers=workers, chunk_bytes=chunk_bytes, sequential=sequential):
+    if per_span:  # one worker per file, each reading its file in order
+        with ThreadPoolExecutor(workers) as pool:
+            done = all(pool.map(lambda span: populate([span], workers=1, chunk_bytes=chunk_bytes,
+                                                      sequential=sequential), spans))
+    else:
+        done = populate(spans, workers=workers, chunk_bytes=chunk_bytes, sequential=sequential)
+    if not done:
         raise RuntimeError("this kernel has no MADV_POPULATE_READ")
     seconds = time.perf_counter() - start
     return sum(t.numel() for t in flats) / seconds / 1e9
@@ -171,6 +183,9 @@ def one(way: str, files: list[Path], at_rest: bool) -> float:
     if way.startswith("populate_8x32mib_huge"):
         return populate_gbps(files, *SETTINGS["populate_8x32mib"], at_rest=at_rest,
                              huge=True, sequential=way.endswith("_seq"))
+    if way.startswith("stream_"):  # each file read in order by one worker, 32 MiB a call
+        workers = 1 if way == "stream_1x32mib" else len(files)
+        return populate_gbps(files, workers, 32 << 20, at_rest=at_rest, per_span=True)
     if way == "pread_4_then_populate":
         return populate_gbps(files, *SETTINGS["populate_8x32mib"], at_rest=at_rest,
                              read_first=True)

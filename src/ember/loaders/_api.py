@@ -63,7 +63,7 @@ class LocalWeights:
         out: dict[str, torch.Tensor] = {}
         for path in self.paths:
             for name, tensor in MappedFile(path, cfg.max_header_bytes,
-                                             huge_pages=cfg.huge_pages).tensors():
+                                             huge_pages=cfg.maps_huge()).tensors():
                 out[name] = copier.copy(tensor) if copier else tensor
         return out
 
@@ -79,7 +79,7 @@ def _map_hit(node: NodeTier, hit: NodeHit, cfg: LoaderConfig) -> MappedFile | No
     from ember.loaders._tensors import MappedFile
 
     try:
-        mapped = MappedFile(hit.path, cfg.max_header_bytes, huge_pages=cfg.huge_pages)
+        mapped = MappedFile(hit.path, cfg.max_header_bytes, huge_pages=cfg.maps_huge())
         if cfg.verify_hits:
             mapped.verify(hit.record.sha256)
     except (FileNotFoundError, HeaderInvalid, IntegrityError):

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from ember import settings
+from ember.loaders.pages import free_page_reporting
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -43,11 +44,12 @@ class LoaderConfig(BaseModel):
         huge_pages: map node-cache blobs ``MADV_HUGEPAGE``: a cold read brings the pages
             into 2 MiB folios, and every later mapping of them (the next replica on the
             node, the next start from zero) takes one page-table entry per 2 MiB instead of
-            512. ``bench/page_reads.py`` on this project's VM: later mappings 6.0-7.4x faster,
-            cold reads 2x faster right after memory was freed but about half as fast once
-            freed memory went back to the host (free page reporting), hence off by default
-            (docs/coldstart-sizes.md). Linux with a filesystem that caches large folios
-            (ext4, xfs); elsewhere a no-op.
+            512. ``bench/page_reads.py`` on this project's VM: later mappings 4.7-7.4x
+            faster; cold reads 2.0-2.4x faster into memory the host still backs, but
+            0.57-0.65x once freed memory went back to the host (free page reporting).
+            ``"auto"`` (the default) is on unless this machine's balloon reports free pages
+            (:meth:`maps_huge`, docs/coldstart-sizes.md). Linux with a filesystem that
+            caches large folios (ext4, xfs); elsewhere a no-op.
         cache_write: ``"behind"``: a load returns once its bytes are in memory, and the node
             cache is filled from those bytes in the background; ``"through"``: every byte
             is written to the node cache as it arrives and the load returns once the blob
@@ -82,7 +84,7 @@ class LoaderConfig(BaseModel):
     max_header_bytes: int = Field(default=HEADER_CAP_BYTES, ge=2, le=HEADER_CAP_BYTES)
     staging_bytes: PositiveInt = 64 * MiB
     verify_hits: bool = False
-    huge_pages: bool = False
+    huge_pages: bool | Literal["auto"] = "auto"
     cache_write: Literal["auto", "behind", "through"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     regional_storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -130,6 +132,22 @@ class LoaderConfig(BaseModel):
             (True, False)
         """
         return self.cache_write == "auto" and not self.writes_behind(url)
+
+    def maps_huge(self) -> bool:
+        """Whether node-cache blobs are mapped ``MADV_HUGEPAGE`` on this machine.
+
+        ``"auto"`` maps them so unless the machine hands freed memory back to its host
+        (:func:`ember.loaders.pages.free_page_reporting`): there, the 2 MiB folios a cold
+        read allocates come from memory the host must back again, and the cold start,
+        the one a user waits for, reads slower; everywhere else they read faster too.
+
+        Example:
+            >>> [LoaderConfig(huge_pages=on).maps_huge() for on in (False, True)]
+            [False, True]
+        """
+        if self.huge_pages == "auto":
+            return not free_page_reporting()
+        return self.huge_pages
 
     def regional_url(self) -> str | None:
         """The regional tier's URL, or ``None`` when there is no regional tier."""

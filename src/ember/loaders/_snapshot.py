@@ -300,7 +300,7 @@ def _map_files(
     copier = job.copier
     for name, path in files:
         for tensor_name, tensor in MappedFile(
-                path, job.cfg.max_header_bytes, huge_pages=job.cfg.huge_pages).tensors():
+                path, job.cfg.max_header_bytes, huge_pages=job.cfg.maps_huge()).tensors():
             owner = name if weight_map is None else weight_map.get(tensor_name)
             if tensor_name in out or owner != name:
                 raise HeaderInvalid(name=name, reason=f"tensor {tensor_name!r} is not mapped to it")

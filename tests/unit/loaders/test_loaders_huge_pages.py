@@ -63,5 +63,5 @@ def test_a_cold_blob_mapped_with_huge_pages_is_mapped_two_mib_at_a_time(
     size = blob.stat().st_size
     if huge_pages:
         assert _pmd_mapped_bytes(blob) >= size // 2, "the blob was not read into 2 MiB folios"
-    else:  # the default: the sequential advice reads small folios (faster at rest here)
+    else:  # off: the sequential advice reads small folios (faster at rest on this VM)
         assert _pmd_mapped_bytes(blob) < size // 2
