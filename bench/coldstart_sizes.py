@@ -20,7 +20,9 @@ The same run measures the limits on the same files (cold sequential read, page-c
 the S3 server's ceiling with a plain parallel ranged-GET client; ``_sizes_limits.py``) and
 the peers a user would pick, each building the same model from the same files in a worker
 that has imported torch and transformers once (``_sizes_peer.py``), Ember's own load
-(``ember``) among them. Rounds alternate Ember's cluster trial and the peers; medians.
+(``ember``) among them. Rounds alternate Ember's cluster trial and the peers; medians. On
+``disk_warm`` each peer's timed load follows a cold load of its own (untimed, kept as
+``own_cold_read``), so it finds the pages as its own reads left them.
 
 Each cold trial starts from a node at rest: no replica of the deployment, and the warm
 runtime's idle workers back and done importing (the one the last trial took is replaced a
@@ -270,11 +272,15 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
     for name in names:
         options: dict[str, Any] | None = rung.disk_opts
         url = ""
-        left = None
+        left, first = None, None
         if path == "disk_cold":
             left = lim.drop(rung.files + rung.blobs)
         elif path == "disk_warm":
-            lim.pagecache_bandwidth(rung.files + rung.blobs)
+            # The pages as this peer's own cold read leaves them, as Ember's trial finds
+            # them (read_as_a_replica): their folio size decides what mapping them costs.
+            lim.drop(rung.files + rung.blobs)
+            lim.settle(rung.bytes)
+            first = peers.load(name, rung.folder, url=url, options=options)
         elif path == "regional":
             scratch = work / f"peer-cache-{rung.size}"
             shutil.rmtree(scratch, ignore_errors=True)
@@ -284,6 +290,8 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
         out[name] = peers.load(name, rung.folder, url=url, options=options)
         if left is not None:  # a peer that found pages resident did not load cold
             out[name]["resident_after_drop_bytes"] = left
+        if first is not None:
+            out[name]["own_cold_read"] = first
         print(f"    peer {name:<28} {out[name]}", flush=True)
     return out
 
