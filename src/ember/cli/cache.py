@@ -204,6 +204,18 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return _guard(args, run)
 
 
+def _huge_pages(config: LoaderConfig) -> str:
+    """Whether blobs are mapped in 2 MiB pages here, and why: it decides what every start
+    on a warm page cache pays to map the weights (``LoaderConfig.huge_pages``)."""
+    from ember.loaders.pages import free_page_reporting
+
+    if config.huge_pages != "auto":
+        return f"{'on' if config.huge_pages else 'off'} (set)"
+    if free_page_reporting():
+        return "off (auto: this machine's balloon reports free pages; cold reads come first)"
+    return "on (auto)"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """``ember cache bench``: the node's limits, then each recent load against its limit."""
 
@@ -218,6 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             limits["regional_gbps"] = regional
         for name, value in limits.items():
             print(f"{name:<18} {value:8.2f} GB/s")
+        print(f"{'huge_pages':<18} {_huge_pages(config)}")
         against = {"page_cache": "page_cache_gbps", "disk": "disk_cold_gbps",
                    "fill": "regional_gbps"}
         loads = recent_loads(root, a.loads)

@@ -11,6 +11,7 @@ import torch
 
 from ember.cli.cache import register
 from ember.loaders import LoaderConfig, resolve
+from ember.loaders.pages import free_page_reporting
 
 Writer = Callable[[dict[str, torch.Tensor], str], Path]
 
@@ -81,4 +82,6 @@ def test_bench_prints_the_limits_and_each_recent_load_against_its_own(
     warm = next(line for line in out.splitlines() if "/m/warm/" in line)
     assert "0.50" in cold and " disk " in cold  # 2 GB in 4 s, held against the disk
     assert "4.00" in warm and " page_cache " in warm
+    huge = next(line for line in out.splitlines() if line.startswith("huge_pages"))
+    assert huge.split()[1:3] == (["off", "(auto:"] if free_page_reporting() else ["on", "(auto)"])
     assert not list(cache.glob(".bench-*")), "the scratch file was left behind"
