@@ -9,7 +9,9 @@ trial, on four paths:
    options: the size of the page-cache folios that read leaves decides what mapping them
    costs, see ``bench/page_reads.py``);
 2. ``disk_cold``: the same blobs with their pages dropped (``POSIX_FADV_DONTNEED``, checked
-   with ``mincore``) before the trial;
+   with ``mincore``) before the trial, and the origin's files with them, as before each peer's
+   cold load (runs before 2026-12-02's second session kept the files resident for the
+   replica's trial only, and its read met a page cache fuller by the model's size);
 3. ``regional``: the same files from an S3-protocol server on loopback (moto, O(range)
    ranged GETs), the node cache emptied before the trial;
 4. ``second_replica``: a second deployment of the same model and cache cold-starts while
@@ -195,7 +197,9 @@ def cluster_trial(rung: Rung, path: str, base: str, deadline: h.Deadline) -> dic
     wait_zero(rung, key, base, deadline)
     out: dict[str, Any] = {}
     if path == "disk_cold":
-        out["resident_after_drop_bytes"] = lim.drop(rung.blobs)
+        # The origin's files too, as each peer's cold round drops them: left resident, the
+        # replica read into a page cache fuller by the model's size, and reclaimed as it read.
+        out["resident_after_drop_bytes"] = lim.drop(rung.files + rung.blobs)
     elif path == "disk_warm":
         read_as_a_replica(rung)
     elif path == "regional":
