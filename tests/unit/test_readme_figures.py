@@ -290,6 +290,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Cells]] = {
     "bench/results/coldstart_sizes.json": coldstart_sizes,
     "bench/results/coldstart_sizes.short.json": coldstart_sizes,
     "bench/results/coldstart_sizes_regional.short.json": coldstart_sizes,
+    "bench/results/coldstart_sizes_regional.json": coldstart_sizes,
     "bench/results/coldstart_sizes_disk_cold_disk_warm_second_replica.json": coldstart_sizes,
     "bench/results/coldstart_sizes_regional.short.run1.json": coldstart_sizes,
     "bench/results/llm.json": llm,
