@@ -10,7 +10,7 @@ trial, on four paths:
    costs, see ``bench/page_reads.py``);
 2. ``disk_cold``: the same blobs with their pages dropped (``POSIX_FADV_DONTNEED``, checked
    with ``mincore``) before the trial, and the origin's files with them, as before each peer's
-   cold load (runs before 2026-12-02's second session kept the files resident for the
+   cold load (runs before commit 219dc1b kept the files resident for the
    replica's trial only, and its read met a page cache fuller by the model's size);
 3. ``regional``: the same files from an S3-protocol server on loopback (moto, O(range)
    ranged GETs), the node cache emptied before the trial;
