@@ -282,7 +282,9 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
         elif path == "disk_warm":
             # The pages as this peer's own cold read leaves them, as Ember's trial finds
             # them (read_as_a_replica): their folio size decides what mapping them costs.
-            lim.drop(rung.files + rung.blobs)
+            # The live replica's mapping keeps the blobs resident (``ember``'s cold read
+            # is then warm, on the pages that replica's cold read left): recorded.
+            left = lim.drop(rung.files + rung.blobs)
             lim.settle(rung.bytes)
             first = peers.load(name, rung.folder, url=url, options=options)
         elif path == "regional":
@@ -292,7 +294,7 @@ def peer_round(peers: Peers, rung: Rung, path: str, work: Path, base: str,
             url = rung.s3_url
         lim.settle(rung.bytes)  # the peer before it freed a model: see _sizes_limits
         out[name] = peers.load(name, rung.folder, url=url, options=options)
-        if left is not None:  # a peer that found pages resident did not load cold
+        if left is not None:  # a peer that found pages resident did not load cold (first)
             out[name]["resident_after_drop_bytes"] = left
         if first is not None:
             out[name]["own_cold_read"] = first

@@ -207,11 +207,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
 def _huge_pages(config: LoaderConfig) -> str:
     """Whether blobs are mapped in 2 MiB pages here, and why: it decides what every start
     on a warm page cache pays to map the weights (``LoaderConfig.huge_pages``)."""
-    from ember.loaders.pages import free_page_reporting
-
+    state = "on" if config.maps_huge() else "off"
     if config.huge_pages != "auto":
-        return f"{'on' if config.huge_pages else 'off'} (set)"
-    if free_page_reporting():
+        return f"{state} (set)"
+    if state == "off":  # auto turns it off for one reason only
         return "off (auto: this machine's balloon reports free pages; cold reads come first)"
     return "on (auto)"
 
