@@ -128,6 +128,29 @@ def test_the_raylet_prestarts_idle_workers_on_request(ray_cluster: None) -> None
     wait_for(lambda: warm_runtime.idle_workers() > before, 60, what="a pre-started worker")
 
 
+def test_the_refiller_sees_the_worker_an_actor_took_busy_until_it_quietens(
+        ray_cluster: None) -> None:
+    # The refill waits for the cold start that took an idle worker (warm_runtime._Taken):
+    # the worker leaves the idle set under Ray's process names, and its CPU is counted.
+    ray_internals.prestart_workers(1, keep_alive_s=30)
+    wait_for(warm_runtime.idle_worker_processes, 60, what="an idle worker")
+    taken = warm_runtime._Taken()
+    idle = {p.pid for p in warm_runtime.idle_worker_processes()}
+    assert not taken.busy(warm_runtime.idle_worker_processes())
+    spinner: Any = ray.remote(num_cpus=0.1)(internals.Spinner).remote()
+    try:
+        assert ray.get(spinner.pid.remote(), timeout=60) in idle, "the actor got a new worker"
+        spun = spinner.spin.remote(6.0)
+        time.sleep(1.5)
+        assert taken.busy(warm_runtime.idle_worker_processes()), "the spinning worker"
+        ray.get(spun, timeout=60)
+        taken.busy(warm_runtime.idle_worker_processes())  # the spin's last part
+        time.sleep(1.5)
+        assert not taken.busy(warm_runtime.idle_worker_processes()), "it has gone quiet"
+    finally:
+        ray.kill(spinner)
+
+
 def test_the_key_value_store_keeps_the_semantics_callers_rely_on(ray_cluster: None) -> None:
     ns, key = f"ember-test-{uuid.uuid4().hex[:6]}", "a:1"
     assert ray_internals.kv_get(key, namespace=ns) is None

@@ -199,10 +199,27 @@ class _Clock:
         return self.waits == 0  # True: stop
 
 
+class _Worker:
+    """A fake worker process whose CPU time is ``share(t)`` of a core, summed to now."""
+
+    def __init__(self, pid: int, clock: _Clock, share: Callable[[float], float]) -> None:
+        self.pid, self._clock, self._share = pid, clock, share
+
+    def cpu_times(self) -> Any:
+        from types import SimpleNamespace
+
+        steps = int(self._clock.now * 100)
+        return SimpleNamespace(user=sum(self._share(k / 100) for k in range(steps)) / 100,
+                               system=0.0)
+
+
 def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
-                  busy: Callable[[float], float]) -> list[tuple[int, float]]:
+                  busy: Callable[[float], float],
+                  taken: Callable[[float], float] = lambda t: 0.0) -> list[tuple[int, float]]:
     """Run a refiller keeping 2 idle workers on a fake clock over ``counts`` (one a count);
-    ``busy(t)`` is the node's busy share at time ``t``. Returns (workers, t) per prestart."""
+    ``busy(t)`` is the node's busy share at time ``t``, ``taken(t)`` the share of a core
+    the second worker uses at ``t`` (it is the one a count of 1 finds taken). Returns
+    (workers, t) per prestart."""
     from types import SimpleNamespace
 
     from ember.control import warm_runtime
@@ -210,6 +227,7 @@ def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
     left = iter(counts)
     clock, prestarted = _Clock(waits=len(counts)), []
     used = {"t": 0.0, "busy_s": 0.0}
+    workers = [_Worker(1, clock, lambda t: 0.0), _Worker(2, clock, taken)]
 
     def cpu_seconds() -> tuple[float, float]:  # two cores: 2 s of CPU time a second
         # The share since the last call is the one at that call's time.
@@ -217,7 +235,7 @@ def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
         used["t"] = clock.now
         return used["busy_s"], 2 * clock.now
 
-    monkeypatch.setattr(warm_runtime, "idle_workers", lambda: next(left))
+    monkeypatch.setattr(warm_runtime, "idle_worker_processes", lambda: workers[:next(left)])
     monkeypatch.setattr(warm_runtime, "prestart", lambda n: prestarted.append((n, clock.now)))
     monkeypatch.setattr(warm_runtime, "time", SimpleNamespace(monotonic=clock.monotonic))
     monkeypatch.setattr(warm_runtime, "cpu_seconds", cpu_seconds)
@@ -260,4 +278,23 @@ def test_a_refill_waits_while_the_cold_start_that_took_the_worker_keeps_the_core
     assert prestarted == [(1, 16.0)]
     # A node that stays busy gets it 20 s after the last count that saw the worker (t=7).
     prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, *[1] * 17, 2, 2], busy=lambda t: 0.95)
+    assert prestarted == [(1, 27.0)]
+
+
+def test_a_refill_waits_while_the_worker_taken_is_busy_though_the_node_is_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica reading its weights from disk (cores idle in iowait) and then running a
+    single-threaded first forward (one core of many) leaves the node's share low; the
+    worker it took says its cold start is not over."""
+    # Taken between t=7 and t=11; it uses 0.5 of a core until t=17, then 1%.
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, *[1] * 9, 2, 2],
+                               busy=lambda t: 0.3, taken=lambda t: 0.5 if t < 17 else 0.01)
+    # Counted at 11..17 with the worker busy; the count at 18 sees it quiet since 17.
+    assert prestarted == [(1, 18.0)]
+    # Without the taken worker's share the node's 0.3 lets it in at t=12.
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, 1, 1, 2, 2], busy=lambda t: 0.3)
+    assert prestarted == [(1, 12.0)]
+    # A worker that stays busy (a replica under steady traffic) gets its refill at the cap.
+    prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, *[1] * 17, 2, 2],
+                               busy=lambda t: 0.3, taken=lambda t: 0.5)
     assert prestarted == [(1, 27.0)]

@@ -25,8 +25,8 @@ Two Ray mechanisms, both set when Ember starts the local cluster:
   environment matches; replicas of an embedded Ember app have none, so any idle worker fits.
   A worker that became a replica (or an edge, or a task) is gone from the idle set, so
   :class:`Refiller` tops the node's idle workers back up (it counts them every second, less
-  often while the count stands still), once the cold start that took one is likely past
-  (:func:`refill_due`).
+  often while the count stands still), once the cold start that took one is past: the worker
+  it took has gone quiet and the node's cores are not busy (:func:`refill_due`).
 
 Ray offers no public API for either; if the call fails (a Ray upgrade moved it), Ember logs
 it once and replicas start from fresh processes, as on plain Ray Serve. On a cluster Ember
@@ -64,6 +64,12 @@ _REFILL_AFTER_S = 3.0
 #: loading a large model's weights outlasts the grace, and a worker importing torch beside
 #: it takes seconds of CPU from it.
 _BUSY_SHARE = 0.6
+#: ...nor while a worker taken since the last refill uses at least this share of a core:
+#: its cold start is still loading or computing its first answer. On a node of many cores a
+#: single-threaded first forward leaves the node's share low, and on any node a load that
+#: waits on the disk leaves its cores idle, yet a torch import beside either slows it (the
+#: 6 GB ladder's first forward took 6.4 s with a refill beside it and 5.2 s without).
+_TAKEN_BUSY_CORES = 0.2
 #: A busy node defers the refill this long at most (a node busy with traffic still gets it).
 _REFILL_DEFER_MAX_S = 20.0
 
@@ -137,17 +143,23 @@ def idle_workers() -> int:
     it runs something, and leaves the interpreter's name before it registers. Only the
     process that started the local cluster can see its raylet.
     """
+    return len(idle_worker_processes())
+
+
+def idle_worker_processes() -> list[Any]:
+    """The processes :func:`idle_workers` counts (``psutil.Process``)."""
     import psutil
 
-    count = 0
+    found = []
     for child in _raylet_children():
         try:
             name = child.name()
             idle = name == ray_internals.IDLE_WORKER_TITLE
-            count += idle or (not name.startswith("ray::") and _is_worker(child))
+            if idle or (not name.startswith("ray::") and _is_worker(child)):
+                found.append(child)
         except psutil.Error:  # exited meanwhile
             continue
-    return count
+    return found
 
 
 def settled_idle_workers(sample_s: float = 0.3) -> int:
@@ -178,7 +190,8 @@ def _cpu_s(process: Any) -> float:
     return float(times.user + times.system)
 
 
-def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float) -> bool:
+def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float,
+               taken_busy: bool = False) -> bool:
     """Whether to prestart the ``missing`` workers now.
 
     Args:
@@ -187,12 +200,16 @@ def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float) -
         short_for_s: How long they have been missing, at most (since the last count that
             saw them all).
         busy_share: How busy the node's cores were since the last count, 0 to 1.
+        taken_busy: Whether a worker taken since the last refill was busy since the last
+            count (its replica still starting or answering its first request).
 
     Example:
         >>> refill_due(1, 2, short_for_s=4.0, busy_share=0.9)  # a cold start still loading
         False
         >>> refill_due(1, 2, short_for_s=4.0, busy_share=0.2)
         True
+        >>> refill_due(1, 2, short_for_s=4.0, busy_share=0.2, taken_busy=True)
+        False
         >>> refill_due(2, 2, short_for_s=0.0, busy_share=0.9)  # none left for the next one
         True
     """
@@ -200,7 +217,7 @@ def refill_due(missing: int, idle: int, short_for_s: float, busy_share: float) -
         return False
     if missing >= idle or short_for_s >= _REFILL_DEFER_MAX_S:
         return True
-    return short_for_s >= _REFILL_AFTER_S and busy_share < _BUSY_SHARE
+    return short_for_s >= _REFILL_AFTER_S and busy_share < _BUSY_SHARE and not taken_busy
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -224,6 +241,45 @@ class _BusyMeter:
         busy, total = cpu_seconds()
         (last_busy, last_total), self._last = self._last, (busy, total)
         return (busy - last_busy) / (total - last_total) if total > last_total else 0.0
+
+
+class _Taken:
+    """The workers that left the idle set since the last refill, and the CPU each used
+    between counts: the cold starts that took them."""
+
+    def __init__(self) -> None:
+        self._idle: dict[int, tuple[Any, float]] = {}
+        self._taken: dict[int, tuple[Any, float]] = {}
+        self._at = time.monotonic()
+
+    def busy(self, idle: list[Any]) -> bool:
+        """Whether a taken worker used ``_TAKEN_BUSY_CORES`` of a core since the last call;
+        ``idle`` is this count's idle workers."""
+        import psutil
+
+        now = time.monotonic()
+        elapsed, self._at = now - self._at, now
+        idle_now = {p.pid: p for p in idle}
+        self._taken.update({pid: seen for pid, seen in self._idle.items() if pid not in idle_now})
+        for pid in idle_now:  # back in the idle set (a count that missed it)
+            self._taken.pop(pid, None)
+        busy = False
+        for pid, (process, cpu_s) in list(self._taken.items()):
+            try:
+                used = _cpu_s(process)
+            except psutil.Error:  # exited: its cold start is over
+                del self._taken[pid]
+                continue
+            busy |= used - cpu_s >= _TAKEN_BUSY_CORES * elapsed
+            self._taken[pid] = (process, used)
+        self._idle = {}
+        for pid, process in idle_now.items():
+            with contextlib.suppress(psutil.Error):
+                self._idle[pid] = (process, _cpu_s(process))
+        return busy
+
+    def clear(self) -> None:
+        self._taken.clear()
 
 
 class Refiller:
@@ -266,10 +322,11 @@ class Refiller:
     def _run(self) -> None:
         short_since: float | None = None
         period, last, counted_at = _REFILL_EVERY_S, None, time.monotonic()
-        busy = _BusyMeter()
+        busy, taken = _BusyMeter(), _Taken()
         while True:
             try:
-                missing = self.idle - idle_workers()
+                workers = idle_worker_processes()
+                missing = self.idle - len(workers)
                 period = next_interval_s(period, changed=missing != last or missing > 0,
                                          fast_s=_REFILL_EVERY_S, slow_s=_STEADY_REFILL_EVERY_S)
                 now, last = time.monotonic(), missing
@@ -283,10 +340,12 @@ class Refiller:
                     # That share is mostly from before the worker went (a backed-off count
                     # spans 4 s): the next count, a second on, says what the cores do now.
                     share = 1.0
+                taken_busy = taken.busy(workers)
                 if short_since is not None and refill_due(missing, self.idle,
-                                                          now - short_since, share):
+                                                          now - short_since, share, taken_busy):
                     prestart(missing)
                     short_since = None
+                    taken.clear()
                 self._failing = False
             except Exception:  # a busy raylet may time out; retry, but say so only once
                 if not self._failing:

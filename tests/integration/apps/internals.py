@@ -51,3 +51,18 @@ class Quiet:
 
 
 quiet_app = ember.App([Quiet], name="quiet-pushes", warm_pool=0)
+
+
+class Spinner:
+    """A plain actor class (``ray.remote`` it): a cold start that keeps its core busy."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def spin(self, seconds: float) -> int:
+        import time
+
+        end, turns = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            turns += 1
+        return turns
