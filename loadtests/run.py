@@ -72,7 +72,7 @@ OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-
 def coldstart_lm(short: bool) -> Scenario:
     """The 2 GB ladder model from zero with the page cache cold, in both forms (the short one
     waits less for zero). Its budgets: the slowest cold request under 20 s on 2 cores (the
-    size bench measures 2.4 s from request to first answer, README), the load's GB/s at
+    size bench measures 2.3 s from request to first answer, README, run 15), the load's GB/s at
     least 0.3x the disk's, measured in the same run, and no more than 10 major page faults
     in a cold answer's forward (the scenario's defaults)."""
     sys.path.insert(0, str(ROOT / "bench"))
