@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,13 +213,13 @@ class _Worker:
                                system=0.0)
 
 
-def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
-                  busy: Callable[[float], float],
-                  taken: Callable[[float], float] = lambda t: 0.0) -> list[tuple[int, float]]:
-    """Run a refiller keeping 2 idle workers on a fake clock over ``counts`` (one a count);
-    ``busy(t)`` is the node's busy share at time ``t``, ``taken(t)`` the share of a core
-    the second worker uses at ``t`` (it is the one a count of 1 finds taken). Returns
-    (workers, t) per prestart."""
+def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: Sequence[int | list[int]],
+                  busy: Callable[[float], float], taken: Callable[[float], float] = lambda t: 0.0,
+                  ) -> list[tuple[int, float]]:
+    """Run a refiller keeping 2 idle workers on a fake clock over ``counts`` (one a count:
+    how many idle, or which of the workers 1, 2 and 3 are); ``busy(t)`` is the node's busy
+    share at time ``t``, ``taken(t)`` the share of a core worker 2 uses at ``t`` (it is the
+    one a count of 1 finds taken). Returns (workers, t) per prestart."""
     from types import SimpleNamespace
 
     from ember.control import warm_runtime
@@ -227,7 +227,12 @@ def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
     left = iter(counts)
     clock, prestarted = _Clock(waits=len(counts)), []
     used = {"t": 0.0, "busy_s": 0.0}
-    workers = [_Worker(1, clock, lambda t: 0.0), _Worker(2, clock, taken)]
+    workers = [_Worker(1, clock, lambda t: 0.0), _Worker(2, clock, taken),
+               _Worker(3, clock, lambda t: 0.0)]
+
+    def idle() -> list[_Worker]:
+        count = next(left)
+        return workers[:count] if isinstance(count, int) else [workers[i - 1] for i in count]
 
     def cpu_seconds() -> tuple[float, float]:  # two cores: 2 s of CPU time a second
         # The share since the last call is the one at that call's time.
@@ -235,7 +240,7 @@ def _refill_times(monkeypatch: pytest.MonkeyPatch, counts: list[int],
         used["t"] = clock.now
         return used["busy_s"], 2 * clock.now
 
-    monkeypatch.setattr(warm_runtime, "idle_worker_processes", lambda: workers[:next(left)])
+    monkeypatch.setattr(warm_runtime, "idle_worker_processes", idle)
     monkeypatch.setattr(warm_runtime, "prestart", lambda n: prestarted.append((n, clock.now)))
     monkeypatch.setattr(warm_runtime, "time", SimpleNamespace(monotonic=clock.monotonic))
     monkeypatch.setattr(warm_runtime, "cpu_seconds", cpu_seconds)
@@ -298,3 +303,15 @@ def test_a_refill_waits_while_the_worker_taken_is_busy_though_the_node_is_not(
     prestarted = _refill_times(monkeypatch, [2, 2, 2, 2, *[1] * 17, 2, 2],
                                busy=lambda t: 0.3, taken=lambda t: 0.5)
     assert prestarted == [(1, 27.0)]
+
+
+def test_a_worker_taken_while_the_node_kept_its_count_never_defers_a_later_refill(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 2 leaves while a worker Ray started itself (3) keeps the count at 2: no refill
+    waits on worker 2 (a replica busy with traffic), so the next one is not held to the cap."""
+    prestarted = _refill_times(monkeypatch, [[1, 2], [1, 2], [1, 3], [1, 3], [3], [3], [3],
+                                             [3], [1, 3]],
+                               busy=lambda t: 0.3, taken=lambda t: 0.9)
+    # Counted at 0, 1, 3 (worker 2 gone, the count still full), 7, then 11: worker 1 taken
+    # since t=7 and quiet, so its refill comes at the next count, t=12, not at the cap (27).
+    assert prestarted == [(1, 12.0)]

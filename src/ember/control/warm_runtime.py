@@ -68,7 +68,7 @@ _BUSY_SHARE = 0.6
 #: its cold start is still loading or computing its first answer. On a node of many cores a
 #: single-threaded first forward leaves the node's share low, and on any node a load that
 #: waits on the disk leaves its cores idle, yet a torch import beside either slows it (the
-#: 6 GB ladder's first forward took 6.4 s with a refill beside it and 5.2 s without).
+#: 6 GB ladder's first forward, page cache cold, took 5.27 s beside a refill, 4.32 s alone).
 _TAKEN_BUSY_CORES = 0.2
 #: A busy node defers the refill this long at most (a node busy with traffic still gets it).
 _REFILL_DEFER_MAX_S = 20.0
@@ -345,6 +345,7 @@ class Refiller:
                                                           now - short_since, share, taken_busy):
                     prestart(missing)
                     short_since = None
+                if short_since is None:  # none missing, or just replaced: none to wait for
                     taken.clear()
                 self._failing = False
             except Exception:  # a busy raylet may time out; retry, but say so only once
