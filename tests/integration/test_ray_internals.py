@@ -140,13 +140,13 @@ def test_the_refiller_sees_the_worker_an_actor_took_busy_until_it_quietens(
     spinner: Any = ray.remote(num_cpus=0.1)(internals.Spinner).remote()
     try:
         assert ray.get(spinner.pid.remote(), timeout=60) in idle, "the actor got a new worker"
-        spun = spinner.spin.remote(6.0)
-        time.sleep(1.5)
-        assert taken.busy(warm_runtime.idle_worker_processes()), "the spinning worker"
+        spun = spinner.spin.remote(8.0)
+        # Counted a second apart, as the refiller counts.
+        wait_for(lambda: taken.busy(warm_runtime.idle_worker_processes()), 6, interval_s=1.0,
+                 what="the spinning worker seen busy")
         ray.get(spun, timeout=60)
-        taken.busy(warm_runtime.idle_worker_processes())  # the spin's last part
-        time.sleep(1.5)
-        assert not taken.busy(warm_runtime.idle_worker_processes()), "it has gone quiet"
+        wait_for(lambda: not taken.busy(warm_runtime.idle_worker_processes()), 15,
+                 interval_s=1.0, what="the worker seen quiet once its actor rests")
     finally:
         ray.kill(spinner)
 
