@@ -218,6 +218,10 @@ def _wait(path: Path, done: Callable[[], T | None], *, timeout_s: float, poll_s:
         if result is not None:
             return result
         now = read_lease(path)
+        if info is None and now is None and not path.exists():
+            # The holder was gone before this waiter first read its lease (released, or
+            # given up without publishing): nothing will ever refresh it, so try again.
+            return None
         if info is None:
             info = now
         elif now is None or now.token != info.token:

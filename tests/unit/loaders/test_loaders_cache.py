@@ -176,6 +176,33 @@ def test_a_failed_fill_error_reaches_a_waiter(tmp_path: Path, config: LoaderConf
     assert [getattr(e, "reason", None) for e in caught] == ["bad dtype"]
 
 
+def test_a_holder_gone_before_the_waiter_reads_its_lease_does_not_strand_the_waiter(
+    tmp_path: Path, config: LoaderConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder released (without publishing) between this waiter's failed create and its
+    first read: no lease will ever appear, so the waiter must try to take it, not poll
+    forever."""
+    from ember.loaders import _lease
+
+    real, lost = _lease._try_create, list[Path]()
+
+    def lost_the_race(path: Path, heartbeat_s: float) -> Lease | None:
+        if not lost:
+            lost.append(path)  # someone else held it at that instant, and is gone now
+            return None
+        return real(path, heartbeat_s)
+
+    monkeypatch.setattr(_lease, "_try_create", lost_the_race)
+    got: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(acquire(tmp_path / "k.lease", lambda: None,
+                                          **_lease_args(config))), daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert lost and len(got) == 1 and isinstance(got[0], Lease), "the waiter is stranded"
+    got[0].release()
+
+
 def test_dead_holder_is_taken_over_and_live_heartbeat_is_not(
     tmp_path: Path, config: LoaderConfig
 ) -> None:
