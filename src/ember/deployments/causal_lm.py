@@ -7,14 +7,15 @@ forward pass, the next token out (greedy), with the replica's load report.
 
 A replica loads in this order:
 
-1. the weights' bytes are compared with the node's free memory, and a replica that cannot
-   fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before anything is
-   read;
+1. ``config.json`` is read and checked (a bad one is refused before any weight is fetched),
+   and the weights' bytes are compared with the node's free memory: a replica that cannot
+   fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before any weight
+   is read;
 2. a thread maps the node's snapshot of the weights (or streams them from the regional tier
    or the origin, shard by shard in the order the model uses them, and fills the node cache
    behind the load);
-3. meanwhile the main thread reads ``config.json`` and builds the model on the ``meta``
-   device (no parameter memory at all), and the weights thread, once the tensors are
+3. meanwhile the main thread builds the model on the ``meta`` device (no parameter memory
+   at all), and the weights thread, once the tensors are
    mapped, maps in every page of them in large parallel chunks (``MADV_POPULATE_READ``:
    the kernel reads what is not in the page cache straight into it, with no copy, and the
    first forward takes no page faults);
@@ -40,6 +41,7 @@ from typing import Any, ClassVar
 import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import ember
 from ember import loaders
@@ -101,7 +103,8 @@ def model_config(raw: bytes) -> PretrainedConfig:
     """The ``transformers`` config that ``config.json``'s bytes ``raw`` hold.
 
     Raises:
-        HeaderInvalid: ``raw`` is not JSON or names no ``model_type``.
+        HeaderInvalid: ``raw`` is not JSON, names no causal LM's ``model_type``, or has a
+            field ``transformers`` refuses.
     """
     try:
         doc = json.loads(raw)
@@ -109,7 +112,14 @@ def model_config(raw: bytes) -> PretrainedConfig:
         raise HeaderInvalid(name=CONFIG_NAME, reason=f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or "model_type" not in doc:
         raise HeaderInvalid(name=CONFIG_NAME, reason="no model_type")
-    return AutoConfig.for_model(**doc)
+    if doc["model_type"] not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise HeaderInvalid(name=CONFIG_NAME,
+                            reason=f"model_type {str(doc['model_type'])[:64]!r} is no causal LM "
+                                   "transformers knows")
+    try:
+        return AutoConfig.for_model(**doc)
+    except Exception as exc:  # transformers' own checks: a ValueError, a dataclass field's
+        raise HeaderInvalid(name=CONFIG_NAME, reason=str(exc)[:300]) from None
 
 
 def build_on_meta(config: PretrainedConfig | dict[str, Any]) -> torch.nn.Module:
@@ -162,7 +172,27 @@ def assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
     missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing:
         raise HeaderInvalid(name="state dict", reason=f"weights missing: {missing[:5]}")
+    _check_one_dtype(model)
     return model.eval().requires_grad_(False)
+
+
+def _check_one_dtype(model: torch.nn.Module) -> None:
+    """Refuse floating-point weights of mixed dtypes (an F16 tensor among BF16 ones), which
+    assignment keeps as they are and the first forward would fail on; the modules the
+    architecture keeps in float32 (``_keep_in_fp32_modules``) are exempt.
+
+    Raises:
+        HeaderInvalid: the weights' dtypes differ, naming one of each.
+    """
+    kept = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    first: dict[torch.dtype, str] = {}
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and not any(part in name.split(".") for part in kept):
+            first.setdefault(param.dtype, name)
+    if len(first) > 1:
+        seen = ", ".join(f"{name} is {str(dtype).removeprefix('torch.')}"
+                         for dtype, name in first.items())
+        raise HeaderInvalid(name="state dict", reason=f"weights of mixed dtypes: {seen}")
 
 
 def _missing_bytes(paths: list[Path]) -> int:
@@ -220,11 +250,11 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
                    config_json: bytes | None = None) -> tuple[torch.nn.Module, LoadReport]:
     """Load the causal LM at ``url`` as described in the module docstring.
 
-    The weights are mapped (or streamed) on a thread while this one reads ``config.json``
-    and builds the model on ``meta``: on a miss, the model is ready when the last bytes
-    arrive. ``phases_s``: ``check`` (size and fit), ``map`` (the weights thread's load),
-    ``construct`` (config and build, beside ``map``), ``pages_wait`` (waiting for the
-    weights thread after the build), ``assign``; ``total`` is the wall time.
+    ``config.json`` is read and checked first; then the weights are mapped (or streamed) on a
+    thread while this one builds the model on ``meta``: on a miss, the model is ready when
+    the last bytes arrive. ``phases_s``: ``check`` (config, size and fit), ``map`` (the
+    weights thread's load), ``construct`` (the build, beside ``map``), ``pages_wait``
+    (waiting for the weights thread after the build), ``assign``; ``total`` is the wall time.
 
     Args:
         url: the weights URL (a folder, or its index or safetensors file).
@@ -234,7 +264,7 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
             once through the loaders' pinned staging buffer, in chunks (unmeasured here).
         reserve: the memory the caller will need beside the weights, from the model's
             ``config.json`` (a generation engine's KV cache at full load): counted in the fit
-            check, so the config is read before the weights rather than beside them.
+            check.
         config_json: ``config.json``'s bytes, when the caller has read them already (a
             generation replica needs them for its tokenizer too): not fetched again.
 
@@ -248,17 +278,16 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     cfg = config if isinstance(config, LoaderConfig) else LoaderConfig(**dict(config or {}))
     marks = [time.perf_counter()]
     size = weights_bytes(url, CODE_VERSION, cfg)
-    model_cfg, reserved = None, (0, "")
-    if reserve is not None or config_json is not None:
-        model_cfg = model_config(config_json or read_beside(url, CONFIG_NAME, cfg))
-        reserved = reserve(model_cfg) if reserve is not None else reserved
+    # The config before the weights, though it costs the origin one small read: a bad one is
+    # refused before anything is fetched, cached or recorded.
+    model_cfg = model_config(config_json or read_beside(url, CONFIG_NAME, cfg))
+    reserved = reserve(model_cfg) if reserve is not None else (0, "")
     check_fits(size + reserved[0], free_memory_bytes() if free_bytes is None else free_bytes,
                what=url, parts=f"its weights ({size}){reserved[1]}")
     marks.append(time.perf_counter())
     with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
         weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
-        # A bad config.json is raised once the weights thread ends (leaving the pool waits).
-        model = build_on_meta(model_cfg or model_config(read_beside(url, CONFIG_NAME, cfg)))
+        model = build_on_meta(model_cfg)
         marks.append(time.perf_counter())
         done = weights.result()
         marks.append(time.perf_counter())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
-from ember.errors import InsufficientMemory
+from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders import pages, wait_for_cache_writes
 from ember.loaders.pages import evict, populate, prefetch, resident_bytes
 
@@ -293,3 +293,44 @@ def test_the_model_is_built_on_meta_while_the_weights_load(
     assert wait_for_cache_writes(timeout_s=60)
     assert {"check", "map", "construct", "pages_wait", "assign", "total"} <= set(report.phases_s)
     assert isinstance(next_token(model, [1, 2, 3]), int)
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(folder, to))
+
+
+@pytest.mark.parametrize("change", [{"model_type": "nope"}, {"hidden_size": "wide"}])
+def test_a_bad_config_is_refused_before_any_weight_is_fetched(
+    tiny: Path, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    import json
+
+    folder = _copy(tiny, tmp_path / "bad")
+    doc = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**doc, **change}))
+    cache = tmp_path / "node"
+    with pytest.raises(HeaderInvalid) as caught:
+        load_causal_lm(folder.as_uri(), config={"cache_dir": str(cache)})
+    assert "config.json" in str(caught.value) and caught.value.status_code == 503
+    assert wait_for_cache_writes(timeout_s=60)
+    assert not list(cache.glob("*/blobs/*")), "weights were fetched for a bad config"
+    assert not list(cache.glob("snapshots/*.json"))
+
+
+def test_a_weight_of_another_dtype_is_refused_at_load_not_at_the_first_forward(
+    tiny: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tiny, tmp_path / "mixed")
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.float16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(HeaderInvalid, match="mixed dtypes") as caught:
+        load_causal_lm(folder.as_uri(), config={"cache_dir": str(tmp_path / "node")})
+    assert f"{name} is float16" in str(caught.value)
+    assert wait_for_cache_writes(timeout_s=60)
