@@ -40,9 +40,12 @@ from ember.errors import (
     DeploymentUnavailable,
     EmberError,
     QueueFull,
+    RequestError,
     RequestTimeout,
+    ServiceError,
     UserCodeError,
     WaitingForResources,
+    WeightsError,
 )
 
 logger = logging.getLogger("ember.ingress")
@@ -441,8 +444,17 @@ async def _resolve(response: Any) -> Any:
 
 def _user_error(deployment: str, exc: BaseException, request_id: str) -> EmberError:
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    if isinstance(cause, EmberError):  # user code may raise Ember errors on purpose
+    # User code may raise Ember errors on purpose. Those about the request (4xx) or the
+    # service's state (a queue, a drain, a deadline) are the caller's to read; any other
+    # (a loader's names URLs and paths: the warm pool builds a model, a replica loads an
+    # adapter, on a caller's request) goes to the log, and the caller gets the request id.
+    if isinstance(cause, (RequestError, ServiceError)):
         return cause
+    if isinstance(cause, WeightsError):
+        logger.error("request %s: %s could not load its weights: %s", request_id, deployment,
+                     cause)
+        return DeploymentUnavailable(
+            f"it could not load its weights; request id {request_id}", deployment=deployment)
     logger.error("request %s: %s raised\n%s", request_id, deployment, exc)
     error_type = type(cause).__name__ if cause is not None else "Exception"
     return UserCodeError(deployment=deployment, error_type=error_type, request_id=request_id)

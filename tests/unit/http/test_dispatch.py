@@ -338,6 +338,34 @@ def test_user_code_raising_is_500_naming_the_request_id() -> None:
     assert echo.count("ember_call") == 1  # a handler's exception is not a lost replica
 
 
+def test_a_loaders_error_on_a_request_answers_503_with_the_request_id_not_its_urls(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The warm pool builds a model, a replica loads an adapter, on a caller's request: a
+    loader's error there names URLs and paths, which are the operator's."""
+    from ember.errors import SourceError
+
+    async def loads(attr: str, body: Any) -> Any:
+        raise SourceError("access denied", url="s3://bucket/private/adapter.safetensors")
+
+    with pytest.raises(DeploymentUnavailable) as info:
+        _run(_dispatcher({"Echo": FakeHandle(loads)}).call(_route(Echo), BODY, "req-51c"))
+    assert info.value.status_code == 503
+    assert str(info.value) == ("deployment 'Echo' is unavailable: it could not load its "
+                               "weights; request id req-51c")
+    assert "s3://bucket/private" in caplog.text and "req-51c" in caplog.text
+
+
+def test_an_ember_error_about_the_code_answers_500_naming_only_its_type() -> None:
+    from ember.errors import ConfigError
+
+    async def wired_wrongly(attr: str, body: Any) -> Any:
+        raise ConfigError("secret path /srv/app/settings.toml is wrong")
+
+    with pytest.raises(UserCodeError) as info:
+        _run(_dispatcher({"Echo": FakeHandle(wired_wrongly)}).call(_route(Echo), BODY, "r-2"))
+    assert str(info.value) == "deployment 'Echo' raised ConfigError; request id r-2"
+
+
 def _refuses(message: str) -> FakeHandle:
     async def handler(attr: str, body: Any) -> Any:
         raise InvalidBody(message)
