@@ -70,6 +70,20 @@ def test_the_flagship_manifest_printed_by_the_cli_validates(
     assert {"name": "serve", "containerPort": 8000, "protocol": "TCP"} in worker["ports"]
 
 
+def test_the_cli_writes_an_opening_setting_only_when_its_flag_names_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_ADMIN_LOOPBACK", "1")
+    assert main(["deploy", FLAGSHIP, "--k8s"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and "--admin-loopback" in said.err  # nothing printed to apply
+    assert main(["deploy", FLAGSHIP, "--k8s", "--admin-loopback"]) == 0
+    manifest = next(d for d in yaml.safe_load_all(capsys.readouterr().out)
+                    if d["kind"] == "RayService")
+    head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+    assert env["EMBER_ADMIN_LOOPBACK"] == "1" and "EMBER_ALLOW_UNAUTHENTICATED" not in env
+
+
 def test_json_output_is_the_same_manifest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", FLAGSHIP, "--k8s"]) == 0
     from_yaml = list(yaml.safe_load_all(capsys.readouterr().out))
@@ -163,6 +177,23 @@ def test_settings_travel_and_keys_come_from_a_secret() -> None:
     assert "EMBER_URL" not in env and "HOME" not in env
     assert env["RAY_SERVE_USE_GRPC_BY_DEFAULT"]["value"] == "1"
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in env  # Ray's own 0.1 s
+
+
+@pytest.mark.parametrize("variable", ["EMBER_ADMIN_LOOPBACK", "EMBER_ALLOW_UNAUTHENTICATED"])
+def test_a_shells_opt_in_that_opens_a_door_is_refused_unless_named(variable: str) -> None:
+    app = ember.App([Small], name="tests", warm_pool=0)
+    with pytest.raises(ConfigError, match=f"{variable} is set in this shell"):
+        manifest_of(app, {variable: "1"})
+    field = variable.removeprefix("EMBER_").lower()
+    for environ in ({variable: "1"}, {}):  # named: written on, whatever the shell says
+        manifest = k8s.rayservice(app, "tests_app:app", ClusterShape(image="img:1"),
+                                  environ=environ, ray_version="2.60.0", opened=[field])
+        validate(manifest)
+        head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+        env = {e["name"]: e for e in head["containers"][0]["env"]}
+        assert env[variable]["value"] == "1"
+    manifest = manifest_of(app, {variable: "0"})  # off in the shell: nothing to carry
+    assert variable not in json.dumps(manifest)
 
 
 def test_a_malformed_setting_is_refused_before_any_manifest() -> None:

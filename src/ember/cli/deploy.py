@@ -38,7 +38,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     items = k8s.manifests(app, args.target, shape, environ=os.environ,
                           ray_version=metadata.version("ray"),
-                          redis_address=args.redis_address)
+                          redis_address=args.redis_address,
+                          opened=[field for field in k8s.OPENING_SETTINGS
+                                  if getattr(args, field)])
     print(json.dumps(k8s.to_list(items), indent=2) if args.json
           else k8s.to_yaml_documents(items), end="")
     if args.json:
@@ -72,4 +74,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     deploy.add_argument("--redis-address", default=None, metavar="HOST:PORT",
                         help="an existing Redis for the GCS's fault tolerance (default: the "
                         "manifest runs one)")
+    deploy.add_argument("--admin-loopback", action="store_true",
+                        help="let admin routes answer loopback callers with no admin key on the "
+                        "cluster (EMBER_ADMIN_LOOPBACK; a shell's value is never carried)")
+    deploy.add_argument("--allow-unauthenticated", action="store_true",
+                        help="let the edge serve with no API key (EMBER_ALLOW_UNAUTHENTICATED; "
+                        "a shell's value is never carried)")
     deploy.set_defaults(func=cmd_deploy)

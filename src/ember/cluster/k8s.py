@@ -32,7 +32,7 @@ the head is ready, so a head that waited for the app to be ready would never get
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 CLIENT_SETTINGS = frozenset({"url", "admin_key", "api_key"})
 #: Settings that hold the keys callers present: read from a Secret, never written inline.
 SECRET_SETTINGS = ("api_keys", "admin_keys")
+#: Settings that open a door (admin routes to loopback callers, no key beyond loopback):
+#: written only when ``ember deploy`` is told so by name, never carried from a shell.
+OPENING_SETTINGS = ("admin_loopback", "allow_unauthenticated")
 #: Ports Ray's head listens on, named as KubeRay names them.
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 #: Seconds a terminating worker pod keeps serving before its processes are signalled: time
@@ -188,17 +191,32 @@ def serve_config(app: App, target: str, *, host: str, port: int) -> dict[str, An
     }
 
 
-def container_env(environ: Mapping[str, str], *, port: int,
-                  secret: str) -> list[dict[str, Any]]:
+def container_env(environ: Mapping[str, str], *, port: int, secret: str,
+                  opened: Collection[str] = ()) -> list[dict[str, Any]]:
     """Ember's settings set in ``environ``, the keys from ``secret``, Ray Serve's settings.
 
+    ``opened`` names the :data:`OPENING_SETTINGS` the operator asked for (``ember deploy
+    --admin-loopback``): they are written on. One set in ``environ`` but not named is
+    refused: a development shell's opt-in must not open a cluster's doors (in a service
+    mesh, the sidecar delivers every caller's traffic from loopback).
+
     Raises:
-        ConfigError: an ``EMBER_*`` variable holds a value of the wrong kind.
+        ConfigError: an ``EMBER_*`` variable holds a value of the wrong kind, or an opening
+            setting is set but not named in ``opened``.
     """
-    settings.load(environ)  # refuse a bad value here, not in a pod that crash-loops
+    loaded = settings.load(environ)  # refuse a bad value here, not in a pod that crash-loops
     env: list[dict[str, Any]] = [{"name": settings.variable("port"), "value": str(port)}]
     for field in sorted(settings.Settings.model_fields):
         name = settings.variable(field)
+        if field in OPENING_SETTINGS:
+            if field in opened:
+                env.append({"name": name, "value": "1"})
+            elif getattr(loaded, field):
+                raise ConfigError(
+                    f"{name} is set in this shell; a manifest does not carry it: pass "
+                    f"--{field.replace('_', '-')} to `ember deploy` to open that door on the "
+                    "cluster on purpose, or unset it")
+            continue
         skip = field in CLIENT_SETTINGS or field in SECRET_SETTINGS or field == "port"
         if not skip and environ.get(name):
             env.append({"name": name, "value": environ[name]})
@@ -332,7 +350,7 @@ def manifest_name(app_name: str) -> str:
 
 
 def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[str, str],
-               ray_version: str) -> dict[str, Any]:
+               ray_version: str, opened: Collection[str] = ()) -> dict[str, Any]:
     """The ``RayService`` that serves ``app`` (imported on the cluster as ``target``).
 
     Raises:
@@ -346,7 +364,7 @@ def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[s
     """
     name = manifest_name(app.name)
     port = shape.port or settings.load(environ).port
-    env = container_env(environ, port=port, secret=f"{name}-ember-keys")
+    env = container_env(environ, port=port, secret=f"{name}-ember-keys", opened=opened)
     config = serve_config(app, target, host=shape.host, port=port)
     head = _container("head", shape, env, port,
                       _resources(shape.head_cpus, shape.head_memory_gib, 0))
@@ -453,11 +471,13 @@ def serve_port(manifest: Mapping[str, Any]) -> int:
 
 
 def manifests(app: App, target: str, shape: ClusterShape, *, environ: Mapping[str, str],
-              ray_version: str, redis_address: str | None = None) -> list[dict[str, Any]]:
+              ray_version: str, redis_address: str | None = None,
+              opened: Collection[str] = ()) -> list[dict[str, Any]]:
     """What ``ember deploy --k8s`` writes: the Redis the GCS keeps its state in (unless
     ``redis_address`` names one), the ``RayService`` with GCS fault tolerance, and its
-    ``NetworkPolicy``."""
-    service = rayservice(app, target, shape, environ=environ, ray_version=ray_version)
+    ``NetworkPolicy``. ``opened``: see :func:`container_env`."""
+    service = rayservice(app, target, shape, environ=environ, ray_version=ray_version,
+                         opened=opened)
     service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] = gcs_fault_tolerance(
         app.name, redis_address)
     redis = [] if redis_address else redis_objects(app.name, shape.namespace)
