@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from typing import Protocol as TypingProtocol
 
@@ -55,6 +55,17 @@ class Protocol(ABC):
     @abstractmethod
     def install(self, api: FastAPI, gateway: Gateway) -> None:
         """Add this protocol's routes to the ingress app."""
+
+    def deployments(self) -> tuple[str, ...]:
+        """The deployments this protocol's routes call: a body sent to one of its routes may
+        be as large as the largest of their ``max_request_bytes`` (none: the edge's default
+        of 1 MiB)."""
+        return ()
+
+    def deployment_for(self, path_params: Mapping[str, Any]) -> str | None:
+        """The deployment a request calls, where its path says (``/v2/models/{name}/infer``):
+        its body limit is that deployment's alone. ``None``: any of :meth:`deployments`."""
+        return None
 
 
 class App:

@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from pydantic_core import to_jsonable_python
 from ray.serve.handle import DeploymentHandle
-from starlette.routing import Match, Router
+from starlette.routing import BaseRoute, Match, Router
 from starlette.types import Scope
 
 from ember import ray_internals, settings
@@ -124,28 +124,45 @@ class IngressState:
                                      gpu_pool, gpu_pool_names)
         self.tracker.pool_expected = pool is not None
         self.tracker.gpu_pool_expected = gpu_pool is not None
-        self._limits = {(r.http_method, r.path): options[r.deployment].max_request_bytes
-                        for r in routes}
-        self._default_limit = max([_DEFAULT_BODY_LIMIT, *self._limits.values()])
+        self._limits: dict[tuple[str, str], int] = {
+            (r.http_method, r.path): options[r.deployment].max_request_bytes for r in routes}
         self._deployment_of = {r.path: r.deployment for r in routes}
-        #: Set by ``build_fastapi``: the routes a body limit is looked up in.
+        #: Set by ``build_fastapi``: the routes a body limit is looked up in, and the
+        #: protocol that added each of its routes (by the route's id).
         self.router: Router | None = None
+        self.protocol_routes: dict[int, Protocol] = {}
         self.body_timeout_s = settings.load().body_timeout_s
         self.versions = Versions(app_name, versions or {r.deployment: (r.deployment,)
                                                         for r in routes if not r.chain},
                                  labels or {})
 
     def limit_for(self, scope: Scope) -> int:
-        """Route first: a route's own body limit; admin, read-only and unknown paths get
-        ``SMALL_BODY_LIMIT``, other invoke routes (protocols) the largest deployment's."""
-        path = scope["path"]
-        if (scope["method"], path) in self._limits:
-            return self._limits[(scope["method"], path)]
-        if (path.startswith(ADMIN_PREFIX) or scope["method"] not in _BODY_METHODS
-                or self.router is None or not any(
-                    r.matches(scope)[0] == Match.FULL for r in self.router.routes)):
+        """Route first: the body limit of the route the request matches, its deployment's
+        (a templated path's too); a protocol's route, the largest of the deployments it may
+        call (the one its path names, where it does); admin, read-only and unknown paths,
+        ``SMALL_BODY_LIMIT``."""
+        method, path = scope["method"], scope["path"]
+        if (method, path) in self._limits:
+            return self._limits[(method, path)]
+        if path.startswith(ADMIN_PREFIX) or method not in _BODY_METHODS or self.router is None:
             return SMALL_BODY_LIMIT
-        return self._default_limit
+        for route in self.router.routes:
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                return self._limit_of(route, method, child.get("path_params", {}))
+        return SMALL_BODY_LIMIT
+
+    def _limit_of(self, route: BaseRoute, method: str, path_params: dict[str, Any]) -> int:
+        template = str(getattr(route, "path", ""))
+        if (method, template) in self._limits:
+            return self._limits[(method, template)]
+        protocol = self.protocol_routes.get(id(route))
+        if protocol is None:  # a route Ember added itself (the platform's): small bodies
+            return SMALL_BODY_LIMIT
+        named = protocol.deployment_for(path_params)
+        names = [named] if named is not None else protocol.deployments()
+        return max([self.options[n].max_request_bytes for n in names if n in self.options],
+                   default=_DEFAULT_BODY_LIMIT)
 
     def on_reject(self, path: str, reason: str) -> None:
         self.metrics.rejected.labels(self._deployment_of.get(path, "-"), reason).inc()
@@ -361,7 +378,10 @@ def build_fastapi(state: IngressState) -> FastAPI:
         app.add_api_route(route.path, _endpoint(route, state), methods=[route.http_method],
                           response_model=response_model(route), tags=[route.deployment])
     for protocol in state.protocols:
+        before = len(app.router.routes)
         protocol.install(app, state)
+        state.protocol_routes.update(dict.fromkeys(map(id, app.router.routes[before:]),
+                                                   protocol))
     _add_platform_routes(app, state)
     state.router = app.router
     # Starlette runs the last middleware added first: header limit, then auth (so no

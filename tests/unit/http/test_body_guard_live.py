@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from serve_fakes import FakeHandle, as_handle, replica_of
 
@@ -21,6 +22,7 @@ import ember
 from ember.edge.auth import ApiKeys
 from ember.edge.edge import listening_socket, server_config
 from ember.edge.ingress import SMALL_BODY_LIMIT, IngressState, build_fastapi
+from ember.protocols import OpenInferenceProtocol, TensorModel, TensorSpec
 
 from support import free_port
 
@@ -34,7 +36,26 @@ class Echo:
         return {"size": len(body.get("x", ""))}
 
 
-APP = ember.App([Echo], name="guard", warm_pool=0)
+ITEM_LIMIT, TENSOR_LIMIT = 2000, 4000  # far under Echo's: each route keeps its own
+
+
+@ember.deployment(name="Item", route="/items/{item}", max_request_bytes=ITEM_LIMIT)
+class Item:
+    def __call__(self, body: dict[str, str]) -> dict[str, int]:
+        return {"size": len(body.get("x", ""))}
+
+
+@ember.deployment(name="Doubler", max_request_bytes=TENSOR_LIMIT)
+class Doubler:
+    @ember.route()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+APP = ember.App([Echo, Item, Doubler], name="guard", warm_pool=0, protocols=[
+    OpenInferenceProtocol([TensorModel(
+        name="double", deployment="Doubler", attr="forward",
+        input=TensorSpec("x", "FP32", (-1, 4)), output=TensorSpec("y", "FP32", (-1, 4)))])])
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +63,13 @@ def url() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EMBER_BODY_TIMEOUT_S", "1")
         env.setenv("EMBER_EDGE_MAX_CONCURRENCY", "4")
+        handles = {cls.__name__: as_handle(FakeHandle(replica_of(cls)))
+                   for cls in (Echo, Item, Doubler)}
         state = IngressState(APP.name, list(APP.routes()), {s.name: s.options for s in APP.specs},
-                             {"Echo": as_handle(FakeHandle(replica_of(Echo)))}, APP.timeouts(),
-                             keys=ApiKeys([], [ADMIN]))
+                             handles, APP.timeouts(), APP.protocols, keys=ApiKeys([], [ADMIN]))
         config = server_config(build_fastapi(state))
-    state.tracker.loads["Echo"].running = 1
+    for name in handles:
+        state.tracker.loads[name].running = 1
     config.lifespan = "off"  # no replica poller: the fake handle is always running
     port = free_port()
     server = uvicorn.Server(config)
@@ -85,6 +108,21 @@ def test_admin_unknown_and_bodiless_requests_get_the_small_cap(url: str, method:
     reply = httpx.request(method, f"{url}{path}", content=body, headers=_admin(), timeout=30)
     assert reply.status_code == 413, reply.text
     assert f"exceeds {SMALL_BODY_LIMIT} bytes" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "limit"), [
+    ("/items/7", ITEM_LIMIT),                 # a templated route took the largest limit
+    ("/v2/models/double/infer", TENSOR_LIMIT),  # so did a protocol's, for any model
+])
+def test_templated_and_protocol_routes_get_their_own_deployments_cap(
+        url: str, path: str, limit: int) -> None:
+    small = httpx.post(f"{url}{path}", json={"x": "a" * 10}, timeout=30)
+    assert small.status_code != 413, small.text
+    body = b"{" + b" " * (limit * 4) + b"}"  # far under Echo's 1 MiB
+    reply = httpx.post(f"{url}{path}", content=body, timeout=30,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 413, reply.text
+    assert f"exceeds {limit} bytes" in reply.text
 
 
 def _raw(url: str, head: bytes, timeout_s: float) -> socket.socket:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +112,13 @@ class OpenInferenceProtocol(Protocol):
                                   "must be a route taking torch.Tensor")
             if model.input.datatype not in DATATYPES:
                 raise ConfigError(f"OIP model {model.name}: unknown datatype")
+
+    def deployments(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.deployment for m in self.models.values()))
+
+    def deployment_for(self, path_params: Mapping[str, Any]) -> str | None:
+        model = self.models.get(str(path_params.get("name", "")))
+        return model.deployment if model is not None else None
 
     def install(self, api: FastAPI, gateway: Gateway) -> None:
         oip = _Routes(self.models, gateway)

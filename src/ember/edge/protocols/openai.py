@@ -98,6 +98,9 @@ class OpenAIEmbeddings(Protocol):
                 f"OpenAIEmbeddings: {self.deployment}.{self.attr} must be a route taking list[str]"
             )
 
+    def deployments(self) -> tuple[str, ...]:
+        return (self.deployment,)
+
     def install(self, api: FastAPI, gateway: Gateway) -> None:
         async def embeddings(request: Request, body: EmbeddingsRequest) -> Any:
             return await self._embeddings(request, body, gateway)

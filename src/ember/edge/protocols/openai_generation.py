@@ -212,6 +212,9 @@ class OpenAIGeneration(Protocol):
             raise ConfigError(f"OpenAIGeneration: {self.deployment}.{self.attr} must be a "
                               "streaming handler (an async generator)")
 
+    def deployments(self) -> tuple[str, ...]:
+        return (self.deployment,)
+
     def install(self, api: FastAPI, gateway: Gateway) -> None:
         metrics = GenerationMetrics(gateway.registry)
 
