@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -205,6 +205,31 @@ def _overlap_by_brute_force(text: str, stop: str) -> int:
 @given(text=st.text("ab", max_size=30), stop=st.text("ab", min_size=1, max_size=12))
 def test_the_held_back_tail_is_the_longest_suffix_starting_a_stop(text: str, stop: str) -> None:
     assert _overlap(text, stop) == _overlap_by_brute_force(text, stop)
+
+
+class _Counted(str):
+    """A stop string that counts the characters read out of it (by index or slice)."""
+
+    read = 0
+
+    def __getitem__(self, key: Any) -> str:
+        part = str.__getitem__(self, key)
+        _Counted.read += len(part)
+        return part
+
+    def __hash__(self) -> int:  # _failure's cache must not serve another test's count
+        return id(self)
+
+
+@pytest.mark.parametrize("length", [64, 256])
+def test_the_held_back_tail_reads_each_stop_character_a_bounded_number_of_times(
+        length: int) -> None:
+    """Linear, not quadratic, per token: trying every prefix (``text.endswith(stop[:n])``)
+    reads about length**2 / 2 characters here (2,000 at 64, 33,000 at 256)."""
+    stop = _Counted("a" * (length - 1) + "b")  # every proper prefix is a suffix of the text
+    _Counted.read = 0
+    assert _overlap("x" + "a" * (length - 1), stop) == length - 1
+    assert _Counted.read <= 10 * length, _Counted.read  # KMP: about 8 per character
 
 
 def test_a_stop_string_finishes_the_sequence_with_reason_stop(model: TinyLM) -> None:

@@ -115,7 +115,8 @@ def test_chat_streams_a_role_then_content_and_ends_with_done() -> None:
 
 @pytest.mark.parametrize(("field", "value", "status"), [
     ("max_tokens", 0, 422), ("temperature", -1, 422), ("top_p", 0, 422),
-    ("max_tokens", 10_000, 400), ("stop", "x" * 257, 400), ("stop", ["ok", "y" * 1000], 400)])
+    ("max_tokens", 10_000, 400), ("stop", "x" * 257, 400), ("stop", ["ok", "y" * 1000], 400),
+    ("stop", ["a", "b", "c", "d", "e"], 422)])
 def test_bad_sampling_fields_are_refused_naming_the_field(field: str, value: object,
                                                           status: int) -> None:
     async def scenario() -> httpx.Response:
@@ -131,7 +132,9 @@ def test_bad_sampling_fields_are_refused_naming_the_field(field: str, value: obj
     assert reply.status_code == status
     assert field in reply.text
     if field == "stop":  # the limit is named, so the caller knows what to send
-        assert "limit of 256" in reply.json()["error"]["message"]
+        limit = "at most 4 items" if isinstance(value, list) and len(value) > 4 \
+            else "limit of 256"
+        assert limit in reply.json()["error"]["message"]
 
 
 def test_a_full_engine_answers_503_with_retry_after_before_streaming() -> None:
