@@ -52,6 +52,7 @@ from ember.deployments import _hf_preload  # noqa: F401
 from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
 from ember.loaders.limits import record_load
+from ember.loaders.memory import available_bytes
 from ember.loaders.pages import populate, prefetch, resident_bytes
 
 #: Part of the snapshot key: a new construction path never restores an old snapshot.
@@ -95,8 +96,9 @@ def check_fits(needed_bytes: int, free_bytes: int, *, what: str,
 
 
 def free_memory_bytes() -> int:
-    """Memory the node can give a new replica now (``MemAvailable``: free plus reclaimable)."""
-    return int(psutil.virtual_memory().available)
+    """Memory the node can give a new replica now: ``MemAvailable`` (free plus reclaimable),
+    or the replica's memory cgroup's headroom where it is less (a pod's limit)."""
+    return available_bytes()
 
 
 def model_config(raw: bytes) -> PretrainedConfig:
