@@ -315,7 +315,7 @@ def test_the_gcs_keeps_its_state_in_the_redis_the_manifest_runs(
     validate(service)
     ft = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     by_kind = {o["kind"]: o for o in redis}
-    assert set(by_kind) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    assert set(by_kind) == {"PersistentVolumeClaim", "Deployment", "Service", "NetworkPolicy"}
     assert all(o["metadata"]["namespace"] == "serving" for o in redis)
     # The RayService points at the Service the manifest makes, on the port it serves.
     host, port = ft["redisAddress"].split(":")
@@ -334,6 +334,26 @@ def test_the_gcs_keeps_its_state_in_the_redis_the_manifest_runs(
     selector = by_kind["Deployment"]["spec"]["selector"]["matchLabels"]
     assert by_kind["Service"]["spec"]["selector"] == selector
     assert by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"] == selector
+
+
+def test_only_the_ray_head_reaches_the_gcs_redis() -> None:
+    app = ember.App([Small], name="tests", warm_pool=0)
+    *redis, service, _ = k8s.manifests(app, "tests_app:app", ClusterShape(image="img:1"),
+                                       environ={}, ray_version="2.60.0")
+    by_kind = {o["kind"]: o for o in redis}
+    spec = by_kind["NetworkPolicy"]["spec"]
+    redis_pod = by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(spec["podSelector"], redis_pod) and spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": k8s.REDIS_PORT}]
+    (peer,) = rule["from"]
+    cluster = service["spec"]["rayClusterConfig"]
+    head = {**cluster["headGroupSpec"]["template"]["metadata"]["labels"],
+            k8s.HEAD_NODE_LABEL: "head"}  # what KubeRay adds to the head's pod
+    worker = {**cluster["workerGroupSpecs"][0]["template"]["metadata"]["labels"],
+              k8s.HEAD_NODE_LABEL: "worker"}
+    assert _selects(peer["podSelector"], head) and not _selects(peer["podSelector"], worker)
+    assert "namespaceSelector" not in peer  # the manifest's namespace only
 
 
 def test_an_existing_redis_is_named_and_none_is_made(

@@ -314,7 +314,8 @@ def gcs_fault_tolerance(app_name: str, redis_address: str | None) -> dict[str, A
 def redis_objects(app_name: str, namespace: str | None, *,
                   storage_gib: int = 1) -> list[dict[str, Any]]:
     """A one-replica Redis for the GCS: a volume, a Deployment writing an append-only file
-    to it (fsync every second), and a Service, all in the manifest's namespace."""
+    to it (fsync every second), a Service, and a NetworkPolicy that lets only the Ray head
+    reach it, all in the manifest's namespace."""
     name = redis_secret(app_name)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "ember"}
     meta: dict[str, Any] = {"name": name, "labels": labels}
@@ -341,6 +342,13 @@ def redis_objects(app_name: str, namespace: str | None, *,
                   "selector": {"matchLabels": labels}, "template": pod}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta,
          "spec": {"selector": labels, "ports": [{"name": "redis", "port": REDIS_PORT}]}},
+        # Redis holds the GCS's tables (pickled functions among them): only the head, where
+        # the GCS runs, may reach it; the password alone would be one secret from any pod.
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+         "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"],
+                  "ingress": [{"from": [{"podSelector": {"matchLabels": {
+                      POD_LABEL: manifest_name(app_name), HEAD_NODE_LABEL: "head"}}}],
+                      "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}},
     ]
 
 
@@ -401,6 +409,8 @@ def rayservice(app: App, target: str, shape: ClusterShape, *, environ: Mapping[s
 
 #: Label every pod of the app carries; the NetworkPolicy selects the cluster's pods by it.
 POD_LABEL = "ember.dev/app"
+#: KubeRay's label of a Ray pod's role (``head`` or ``worker``).
+HEAD_NODE_LABEL = "ray.io/node-type"
 #: Labels of KubeRay's operator pods (its Helm chart's), in any namespace.
 OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 
