@@ -26,6 +26,7 @@ import uvicorn
 
 from ember import settings
 from ember.control.listeners import bind_replica_grpc_to_node_ip
+from ember.edge._head_deadline import head_deadline_protocol
 from ember.edge._metrics import EdgeBoard
 from ember.edge._state import EDGE_DEPLOYMENT
 from ember.edge.auth import check_exposure
@@ -75,10 +76,14 @@ def _edge_id() -> str:
 def server_config(app: Any) -> uvicorn.Config:
     """The edge's uvicorn settings: at most ``EMBER_EDGE_MAX_CONCURRENCY`` connections and
     requests at once (uvicorn answers 503 beyond), so a flood of idle or slow connections
-    cannot take the process's memory and file descriptors."""
+    cannot take the process's memory and file descriptors, and each request's head within
+    ``EMBER_BODY_TIMEOUT_S`` (else the connection is closed), so such a flood cannot hold
+    those slots either."""
+    loaded = settings.load()
     return uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
                           log_level=logging.WARNING, timeout_keep_alive=75,
-                          limit_concurrency=settings.load().edge_max_concurrency)
+                          limit_concurrency=loaded.edge_max_concurrency,
+                          http=head_deadline_protocol(loaded.body_timeout_s))
 
 
 class _EdgeServer(uvicorn.Server):

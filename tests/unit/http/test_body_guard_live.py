@@ -156,3 +156,33 @@ def test_the_edge_answers_503_beyond_its_concurrency_limit(url: str) -> None:
     while httpx.get(f"{url}/healthz", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the edge did not recover after the idle sockets"
         time.sleep(0.1)
+
+
+def test_a_connection_whose_head_never_completes_is_closed_at_the_deadline(url: str) -> None:
+    """uvicorn arms no timer before a connection's first response: one that sends nothing,
+    or trickles its head, held its slot for ever."""
+    started = time.monotonic()
+    with _raw(url, b"", timeout_s=20) as silent, \
+            _raw(url, b"GET /healthz HTTP/1.1\r\nHost: ed", timeout_s=20) as trickle:
+        time.sleep(0.4)
+        trickle.sendall(b"g")  # a byte now and then does not move the deadline
+        for sock in (silent, trickle):
+            assert sock.recv(4096) == b"", "the edge answered a head it never received"
+    assert time.monotonic() - started < 15  # the 1 s deadline, with a wide margin
+
+
+def test_idle_connections_at_the_concurrency_limit_free_their_slots_by_themselves(
+        url: str) -> None:
+    idle = [_raw(url, b"", timeout_s=20) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{url}/healthz", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "idle connections held every slot"
+            time.sleep(0.2)
+        # Kept alive after a response, a connection's next head has the deadline too.
+        with httpx.Client(timeout=10) as client:
+            assert client.get(f"{url}/healthz").status_code == 200
+            assert client.get(f"{url}/healthz").status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
