@@ -318,7 +318,15 @@ class Dispatcher:
         with self.tracker.track(name):
             generator = cast(DeploymentResponseGenerator[Any], handle.remote(route.attr, body))
             try:
-                async for chunk in generator:
+                # The first chunk is watched as a call's answer is: a deployment that cannot
+                # start is a 503, not a stream that never begins and holds its slot.
+                first: Any = self._watch(anext(generator), [name], None)
+                while True:
+                    try:
+                        chunk = await first if first is not None else await anext(generator)
+                    except StopAsyncIteration:
+                        break
+                    first = None
                     if timeline is not None:
                         report = await self._replica_report(name, arrived, timeline)
                         timeline = None

@@ -22,7 +22,7 @@ import asyncio
 import inspect
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from ember.control.pool import PoolAnswer
 
 #: What a fake replica runs for ``ember_call``: the call's arguments in, the result out.
-Handler = Callable[..., Awaitable[Any]]
+Handler = Callable[..., Any]  # a coroutine function, or an async generator one for streams
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,9 @@ class FakeHandle:
         self.ran: list[Sent] = []
         self.responses: list[FakeResponse] = []
 
-    def options(self, *, method_name: str, **_transport: Any) -> _MethodHandle:
-        return _MethodHandle(self, method_name)
+    def options(self, *, method_name: str, stream: bool = False,
+                **_transport: Any) -> _MethodHandle:
+        return _MethodHandle(self, method_name, stream)
 
     def count(self, method: str) -> int:
         """How many calls of ``method`` were sent."""
@@ -109,15 +110,36 @@ class FakeHandle:
 class _MethodHandle:
     """``handle.options(method_name=...)``: sends calls of one replica method."""
 
-    def __init__(self, handle: FakeHandle, method: str) -> None:
+    def __init__(self, handle: FakeHandle, method: str, stream: bool = False) -> None:
         self._handle = handle
         self._method = method
+        self._stream = stream
 
-    def options(self, *, method_name: str) -> _MethodHandle:
-        return _MethodHandle(self._handle, method_name)
+    def options(self, *, method_name: str | None = None, **_transport: Any) -> _MethodHandle:
+        return _MethodHandle(self._handle, method_name or self._method, self._stream)
 
-    def remote(self, *args: Any) -> FakeResponse:
+    def remote(self, *args: Any) -> Any:  # a FakeResponse, or a FakeStream for streams
+        if self._stream:  # the handler is an async generator function
+            self._handle.ran.append(Sent(self._method, args))
+            return FakeStream(self._handle.handler(*args))
         return self._handle.send(Sent(self._method, args))
+
+
+class FakeStream:
+    """A ``DeploymentResponseGenerator``: the handler's chunks, cancellable."""
+
+    def __init__(self, chunks: Any) -> None:
+        self._chunks = chunks
+        self.cancels = 0
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._chunks.__anext__()
+
+    def cancel(self) -> None:
+        self.cancels += 1
 
 
 class FakeResponse:

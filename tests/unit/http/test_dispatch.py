@@ -7,7 +7,7 @@ The Dispatcher, its LoadTracker and the routes (built by ``@ember.deployment``, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
@@ -183,6 +183,42 @@ def test_a_failed_start_answers_503_without_its_reason(caplog: pytest.LogCapture
     assert "failed to start" in str(info.value)
     assert "s3://" not in str(info.value) and "FileNotFoundError" not in str(info.value)
     assert "s3://bucket/private" in caplog.text  # the operator's copy, in the edge log
+
+
+def _stream_route() -> RouteSpec:
+    return RouteSpec(path="/s", http_method="POST", deployment="Echo", attr="tokens",
+                     input_model=None, output_model=None, is_async=True, is_stream=True)
+
+
+def test_a_stream_to_a_deployment_that_failed_to_start_is_a_503_not_a_hang() -> None:
+    async def never(*args: Any) -> AsyncIterator[str]:
+        await asyncio.Event().wait()  # no replica will ever produce a chunk
+        yield "never"
+
+    dispatcher = _dispatcher({"Echo": FakeHandle(never)}, warm=False)
+    load = dispatcher.tracker.loads["Echo"]
+    load.status, load.message = "DEPLOY_FAILED", "ImportError: no module named secret_pkg"
+
+    async def first_chunk() -> Any:
+        chunks = dispatcher.stream(_stream_route(), BODY, "req-s1")
+        return await asyncio.wait_for(anext(chunks), 20)
+
+    with pytest.raises(DeploymentUnavailable, match="failed to start") as info:
+        _run(first_chunk())
+    assert "secret_pkg" not in str(info.value)
+
+
+def test_a_stream_yields_every_chunk_and_ends() -> None:
+    async def three(*args: Any) -> AsyncIterator[str]:
+        for piece in ("a", "b", "c"):
+            yield piece
+
+    dispatcher = _dispatcher({"Echo": FakeHandle(three)})
+
+    async def collect() -> list[str]:
+        return [chunk async for chunk in dispatcher.stream(_stream_route(), BODY, "req-s2")]
+
+    assert _run(collect()) == ["a", "b", "c"]
 
 
 def test_no_retry_when_retry_on_replica_loss_is_off() -> None:
