@@ -380,7 +380,21 @@ def _fresh_behind(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapp
 def _record_fresh(
     job: _Job, cap: int | None, links: Sequence[Path], weight_map: dict[str, str] | None
 ) -> None:
-    """Write the record of a fresh load's node-cache links; keep their pages warm."""
+    """Write the record of a fresh load's node-cache links; keep their pages warm.
+
+    A record that cannot be written (a full disk, a link evicted meanwhile) fails nothing:
+    the load has its tensors, and the next load of the URL fills and records again.
+    """
+    try:
+        _write_fresh_record(job, cap, links, weight_map)
+    except OSError as exc:
+        log.warning("snapshot %s: record not written (%s); the next load records it",
+                    job.key, exc)
+
+
+def _write_fresh_record(
+    job: _Job, cap: int | None, links: Sequence[Path], weight_map: dict[str, str] | None
+) -> None:
     described = [_describe(job.root, link) for link in links]
     files = tuple(f for f, _ in described)
     versions = sorted({link.relative_to(job.root).parts[2] for link in links})

@@ -87,6 +87,30 @@ def test_first_load_records_second_restores_without_the_origin(
     assert full.restored
 
 
+def test_a_record_that_cannot_be_written_fails_no_load(
+    write_file: Writer,
+    config: LoaderConfig,
+    sample_tensors: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import ember.loaders._snapshot as snapshot_module
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot_module, "_write_record", disk_full)
+    path = write_file(sample_tensors, "model.safetensors")
+    config = config.model_copy(update={"cache_write": "through"})  # the record in the load
+    first = snapshot_load(path.as_uri(), code_version="v1", config=config)
+    _same(first.tensors, sample_tensors)  # the tensors were mapped: the load stands
+    assert "record not written" in caplog.text
+    monkeypatch.undo()
+    again = snapshot_load(path.as_uri(), code_version="v1", config=config)
+    assert not again.restored  # no record: the next load filled and recorded
+    assert snapshot_load(path.as_uri(), code_version="v1", config=config).restored
+
+
 def test_sharded_checkpoint_restores_with_its_weight_map(
     write_file: Writer, tmp_path: Path, config: LoaderConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
