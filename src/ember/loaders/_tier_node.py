@@ -307,8 +307,11 @@ class NodeTier(CacheTier):
                 age_s = time.time() - tmp.stat().st_mtime
             except (ValueError, OSError):
                 continue
-            dead = host == _HOST and not psutil.pid_exists(pid)
-            if dead or age_s > stale_s:
+            # A live filler's temp file is never old: a load can wait long for its seal
+            # (the queue, a slow disk) and its tensors are that file's pages. Another
+            # host's (a shared cache folder) is judged by its age alone.
+            mine = host == _HOST
+            if (mine and not psutil.pid_exists(pid)) or (not mine and age_s > stale_s):
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
 

@@ -142,10 +142,16 @@ def test_temp_of_a_dead_filler_is_swept(config: LoaderConfig) -> None:
 
     dead = blobs / f".tmp-{component(socket.gethostname())}-999999999-abc"
     live = blobs / f".tmp-{component(socket.gethostname())}-{os.getpid()}-def"
-    dead.write_bytes(b"partial")
-    live.write_bytes(b"partial")
+    elsewhere = blobs / ".tmp-otherhost-42-ghi"
+    for path in (dead, live, elsewhere):
+        path.write_bytes(b"partial")
+    old = time.time() - 10 * max(10 * config.lease_timeout_s, 600.0)
+    os.utime(live, (old, old))  # a live filler's seal may wait long in the queue
     node.sweep_temps()
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and elsewhere.exists()
+    os.utime(elsewhere, (old, old))  # another host's: judged by its age alone
+    node.sweep_temps()
+    assert not elsewhere.exists() and live.exists()
 
 
 def _lease_args(config: LoaderConfig) -> dict[str, float]:
