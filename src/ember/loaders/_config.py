@@ -50,10 +50,10 @@ class LoaderConfig(BaseModel):
             ``"auto"`` (the default) is on unless this machine's balloon reports free pages
             (:meth:`maps_huge`, docs/coldstart-sizes.md). Linux with a filesystem that
             caches large folios (ext4, xfs); elsewhere a no-op.
-        cache_write: ``"behind"``: a load returns once its bytes are in the node cache's
-            temp file (read straight into its pages), and the hash, fsync and publication
-            follow in the background; ``"through"``: the load returns once the blob is
-            published (:func:`~ember.loaders.resolve` always works this way);
+        cache_write: ``"behind"``: a load returns once its bytes are in memory, and the node
+            cache is filled from those bytes in the background; ``"through"``: every byte
+            is written to the node cache as it arrives and the load returns once the blob
+            is published (:func:`~ember.loaders.resolve` always works this way);
             ``"auto"``: behind for remote origins; for ``file://``, through, but the
             load returns before the fsync and the publication (see :meth:`writes_behind`
             and :meth:`seals_behind`).
@@ -107,9 +107,9 @@ class LoaderConfig(BaseModel):
         """Whether a load of ``url`` fills the node cache after it returns.
 
         ``"auto"`` writes behind for remote origins, where waiting for a synced disk write
-        would double the network read, and through for ``file://``, where the read is the
-        disk's own. Either way the tensors are the node cache's pages, shared with the
-        replicas that start after it (read into the fill's temp file, or mapped from it).
+        would double the network read, and through for ``file://``: there the read is the
+        disk's own, and a replica whose tensors map the node cache shares its pages with
+        the replicas that start after it (a write-behind replica keeps its own copy).
 
         Example:
             >>> LoaderConfig().writes_behind("s3://b/m/"), LoaderConfig().writes_behind("file:///m")

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.errors import CacheFull, IntegrityError
+from ember.errors import IntegrityError
 from ember.loaders._config import LoaderConfig
 from ember.loaders._copy import FileCopy
 from ember.loaders._flight import FillTicket, claim
 from ember.loaders._header import Header, TensorSpec
-from ember.loaders._reader import Progress, StreamingReader, anonymous_buffer
+from ember.loaders._reader import Progress, StreamingReader
 from ember.loaders._source import ObjectInfo, WeightSource
 from ember.loaders._source_file import FileSource
 from ember.loaders._tier import BlobKey, BlobRecord
@@ -92,27 +91,7 @@ class Fill:
             # The load maps the temp file: the kernel copies into it, no buffer here.
             return FileCopy(source, info, self.node.config, self.progress)
         return StreamingReader(source, info, self.node.config, progress=self.progress,
-                               hash_bytes=hash_now, buffer_for=self._buffer_for)
-
-    def _buffer_for(self, size: int) -> mmap.mmap:
-        """The reader's buffer: the fill's temp file, mapped shared. The range reads land in
-        its page cache, so the tensors on them are the pages the published blob keeps and
-        every later replica maps: one copy of the weights on the node, and no write to make
-        after the load, only the hash, the fsync and the rename. A write-behind fill that
-        cannot have a temp file (a full cache) reads into anonymous memory and tries the
-        write after the load, as before; a write-through one fails.
-        """
-        try:
-            self._tmp = self.node.begin_fill(self.key, size)
-            return self._tmp.map_shared()
-        except (CacheFull, OSError) as exc:
-            if self._tmp is not None:
-                self._tmp.discard()
-                self._tmp = None
-            if not self.behind:
-                raise
-            log.warning("node cache: %s read into memory, no temp file: %s", self.key.name, exc)
-            return anonymous_buffer(size)
+                               hash_bytes=hash_now)
 
     def _regional_record(self, regional: RegionalTier) -> BlobRecord | None:
         try:
@@ -144,9 +123,12 @@ class Fill:
             return
         try:
             self.reader = reader = self._open_reader()
-            if isinstance(reader, FileCopy):
+            if not self.behind:
                 self._tmp = self.node.begin_fill(self.key, self.info.size)
-                reader.attach_file(self._tmp)
+                if isinstance(reader, FileCopy):
+                    reader.attach_file(self._tmp)
+                else:
+                    reader.attach_sink(self._tmp.write_at)
             reader.start(pool)
         except BaseException as exc:
             self._failed(exc)
@@ -183,14 +165,14 @@ class Fill:
         assert reader is not None  # set by start()
         try:
             yield from reader.run()
-            if self.behind and self._tmp is None:  # the job owns the ticket from here
+            if self.behind:  # the job owns the ticket from here
                 assert isinstance(reader, StreamingReader)  # only a seal-behind fill copies
                 self._job = CacheWrite(self.node, self.key, reader.info, reader.buffer,
                                        reader.sha256, self.ticket, self._after_publish())
                 return
             assert self._tmp is not None
             record = BlobRecord(reader.sha256, self.info.size)
-            if self.seal_behind or self.behind:  # the seal owns the ticket and the temp file
+            if self.seal_behind:  # the seal owns the ticket and the temp file from here
                 tmp, self._tmp = self._tmp, None
                 self.filled = tmp.path
                 self._seal = CacheSeal(self.node, self.key, tmp, record, self.ticket,

@@ -87,7 +87,7 @@ def buffer_address(buffer: mmap.mmap) -> int:
 
 
 class StreamingReader:
-    """Reads one safetensors object into one mapping (anonymous, or ``buffer_for``'s).
+    """Reads one safetensors object into an anonymous mapping.
 
     Args:
         source: where the bytes come from.
@@ -97,8 +97,6 @@ class StreamingReader:
         progress: optional ``(bytes_done, bytes_total)`` callback.
         hash_bytes: hash the bytes in file order as they arrive (and check the origin's
             checksum, when it publishes one); ``False`` leaves the hash to the cache write.
-        buffer_for: makes the buffer of a given size once the header is valid (the node
-            cache's temp file, mapped shared); default: anonymous memory.
 
     After :meth:`run` is exhausted, :attr:`sha256` holds the checksum of the bytes (empty
     when ``hash_bytes`` is ``False``).
@@ -113,7 +111,6 @@ class StreamingReader:
         sink: Sink | None = None,
         progress: Progress | None = None,
         hash_bytes: bool = True,
-        buffer_for: Callable[[int], mmap.mmap] | None = None,
     ) -> None:
         self.source = source
         self.info = info
@@ -122,10 +119,9 @@ class StreamingReader:
         self.progress = progress
         self.sha256 = ""
         self.header, raw = read_header(source, info, config.max_header_bytes)
-        # One buffer for the whole file, made once the header is valid (``buffer_for``: the
-        # cache's temp file, mapped); tensors are views on it. Mappings are page-aligned,
-        # so every tensor offset keeps its dtype alignment.
-        self.buffer = (buffer_for or anonymous_buffer)(info.size)
+        # One buffer for the whole file; tensors are views on it. Anonymous mappings are
+        # page-aligned, so every tensor offset keeps its dtype alignment.
+        self.buffer = anonymous_buffer(info.size)
         self._address = buffer_address(self.buffer)
         self.buffer[: len(raw)] = raw
         self._hasher = hashlib.sha256(raw) if hash_bytes else None

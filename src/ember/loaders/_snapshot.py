@@ -317,10 +317,10 @@ def _fresh(job: _Job, cap: int | None, phases: dict[str, float]) -> _Mapped:
     """Load through the caches (the origin included), then record what was mapped.
 
     With write-behind (:meth:`LoaderConfig.writes_behind`) the tensors are built on the
-    bytes as they arrive (in the fills' temp files, mapped), and the record is written once
-    every file is published in the node cache, after the return. Otherwise a filled file
-    is written through and mapped as its temp file; with :meth:`LoaderConfig.seals_behind`
-    its hash, its publication and the record come after the return.
+    bytes as they arrive, and the record is written once every file is published in the
+    node cache, after the return. Otherwise a filled file is written through and mapped
+    as its temp file; with :meth:`LoaderConfig.seals_behind` its hash, its publication
+    and the record come after the return.
     """
     if job.cfg.writes_behind(job.url):
         return _fresh_behind(job, cap, phases)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import mmap
 import os
 import shutil
 import socket
@@ -64,15 +63,6 @@ class TempBlob:
                 self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
                 return
             raise CacheFull(size=size, root=path.parent, reason=str(exc)) from exc
-
-    def map_shared(self) -> mmap.mmap:
-        """The whole file as shared memory: bytes written there are the file's page cache,
-        so tensors built on them are the pages every later mapping of the blob shares (the
-        rename that publishes the file keeps them), with no copy to write."""
-        if os.fstat(self.fd).st_size < self.size:  # no fallocate on this filesystem
-            os.ftruncate(self.fd, self.size)
-        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def write_at(self, offset: int, data: memoryview) -> None:
         """Write all of ``data`` at ``offset``; a full disk becomes :class:`CacheFull`."""

@@ -1,15 +1,12 @@
 """Write-behind node-cache fills: the load returns before its bytes reach the disk.
 
-A load reads each file into its fill's temp file, mapped shared (``Fill._buffer_for``), and
-builds its tensors on those pages; once the load has every byte, one background thread per
-process seals the file (``CacheSeal``: hashes it, unless the read did, renames it to its
-blob name, fsyncs it and publishes it), at a lower CPU priority so that it yields to the
-loads still running. Where no temp file could be made (a full cache), the load read into
-one anonymous buffer, and the thread writes that buffer to a unique temp file instead
-(``CacheWrite``), hashing the bytes in the same pass (and comparing the origin's checksum,
-when there is one), then fsyncs once and publishes by rename, then the marker and the
-snapshot link (``NodeTier.commit``). A process killed midway leaves only its temp file,
-which the next fill on the node sweeps; a reader never sees a half-written entry.
+A load reads each file into one anonymous buffer and builds its tensors on it; the node
+cache is then filled from that same buffer by one background thread per process, at a
+lower CPU priority so that it yields to the loads still running. The thread writes a
+unique temp file, hashes the bytes in the same pass (and compares the origin's checksum,
+when there is one), fsyncs once and publishes by rename, then the marker and the snapshot
+link (``NodeTier.commit``). A process killed midway leaves only its temp file, which the
+next fill on the node sweeps; a reader never sees a half-written entry.
 
 A file from a local origin is copied by the kernel into its temp file (``_copy``), which
 the load maps (``CacheSeal``); once the load has mapped it, this thread hashes it, renames

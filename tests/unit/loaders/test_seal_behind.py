@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -275,9 +274,8 @@ def test_a_fill_holds_one_file_buffer_at_a_time(
     sample_tensors: dict[str, torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``resolve`` of a sharded model reads each file into a buffer (its temp file, mapped):
-    once a file is in the node cache, its buffer goes (the whole model mapped twice would
-    count twice in the process's memory)."""
+    """``resolve`` of a sharded model reads each file into a buffer: once a file is in the
+    node cache, its buffer goes (the whole model in anonymous memory would be a copy)."""
     import gc
     import json
     import mmap
@@ -293,19 +291,16 @@ def test_a_fill_holds_one_file_buffer_at_a_time(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     buffers: list[weakref.ref[mmap.mmap]] = []
     alive_before: list[int] = []
-    real_buffer, real_map = reader_module.anonymous_buffer, TempBlob.map_shared
+    real_buffer = reader_module.anonymous_buffer
 
-    def tracked(make: Callable[..., mmap.mmap]) -> Callable[..., mmap.mmap]:
-        def made(*args: Any) -> mmap.mmap:
-            gc.collect()
-            alive_before.append(sum(ref() is not None for ref in buffers))
-            buffer = make(*args)
-            buffers.append(weakref.ref(buffer))
-            return buffer
-        return made
+    def tracked(size: int) -> mmap.mmap:
+        gc.collect()
+        alive_before.append(sum(ref() is not None for ref in buffers))
+        buffer = real_buffer(size)
+        buffers.append(weakref.ref(buffer))
+        return buffer
 
-    monkeypatch.setattr(reader_module, "anonymous_buffer", tracked(real_buffer))
-    monkeypatch.setattr(TempBlob, "map_shared", tracked(real_map))
+    monkeypatch.setattr(reader_module, "anonymous_buffer", tracked)
     weights = resolve(path.parent.as_uri(), config=config)
     assert len(weights.paths) == 3
     assert alive_before == [0, 0, 0], f"earlier files' buffers alive at each read: {alive_before}"
