@@ -109,7 +109,8 @@ class LoaderConfig(BaseModel):
         ``"auto"`` writes behind for remote origins, where waiting for a synced disk write
         would double the network read, and through for ``file://``: there the read is the
         disk's own, and a replica whose tensors map the node cache shares its pages with
-        the replicas that start after it (a write-behind replica keeps its own copy).
+        the replicas that start after it (a write-behind replica too, once its blobs are
+        published: :func:`ember.loaders.pages.remap_onto`).
 
         Example:
             >>> LoaderConfig().writes_behind("s3://b/m/"), LoaderConfig().writes_behind("file:///m")

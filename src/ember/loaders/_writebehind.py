@@ -5,8 +5,11 @@ cache is then filled from that same buffer by one background thread per process,
 lower CPU priority so that it yields to the loads still running. The thread writes a
 unique temp file, hashes the bytes in the same pass (and compares the origin's checksum,
 when there is one), fsyncs once and publishes by rename, then the marker and the snapshot
-link (``NodeTier.commit``). A process killed midway leaves only its temp file, which the
-next fill on the node sweeps; a reader never sees a half-written entry.
+link (``NodeTier.commit``). Then the blob's pages replace the buffer's under the load's
+tensors (:func:`ember.loaders.pages.remap_onto`): the replica holds the node cache's copy,
+the one later replicas map, and its anonymous one is freed. A process killed midway leaves
+only its temp file, which the next fill on the node sweeps; a reader never sees a
+half-written entry.
 
 A file from a local origin is copied by the kernel into its temp file (``_copy``), which
 the load maps (``CacheSeal``); once the load has mapped it, this thread hashes it, renames
@@ -38,6 +41,7 @@ from ember.loaders._flight import FillTicket
 from ember.loaders._source import ObjectInfo
 from ember.loaders._tier import BlobKey, BlobRecord
 from ember.loaders._tier_node import NodeHit, NodeTier, TempBlob
+from ember.loaders.pages import remap_onto
 
 log = logging.getLogger("ember.loaders")
 T = TypeVar("T")
@@ -151,6 +155,13 @@ def _write(job: CacheWrite) -> NodeHit | None:
         raise
     job.ticket.finish()
     _after(job.after, hit)
+    # The load's tensors move onto the blob's pages: one copy of the weights on the node,
+    # the one later replicas map. Where it cannot, the replica keeps its buffer.
+    try:
+        if not remap_onto(job.buffer, hit.path):
+            log.info("node cache: %s stays in the load's memory", job.key.name)
+    except OSError as exc:
+        log.info("node cache: %s stays in the load's memory: %s", job.key.name, exc)
     return hit
 
 

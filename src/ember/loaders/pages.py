@@ -313,3 +313,47 @@ def prefault(address: int, start: int, end: int) -> bool:
         return False
     first = (address + start) & ~(_PAGE - 1)
     return int(_libc.madvise(first, address + end - first, _POPULATE_WRITE)) == 0
+
+
+_PROT_WRITE = 0x2
+_MAP_PRIVATE = 0x02
+_MAP_FIXED = 0x10
+
+
+def remap_onto(buffer: mmap.mmap, path: Path) -> bool:
+    """Put ``path``'s pages where ``buffer``'s anonymous ones are, at the same addresses, and
+    map them in; ``False`` (nothing changed) where the file's size differs or the kernel
+    refuses.
+
+    A write-behind load builds its tensors on an anonymous buffer, and the node cache then
+    holds the same bytes in its blob's page cache: two copies for the replica's life. Once
+    the blob is published (its bytes verified equal to the buffer's), a ``MAP_FIXED``
+    mapping of it over the buffer swaps the pages under every tensor at once, with no
+    tensor or parameter changed; the kernel frees the anonymous pages. A forward reading
+    meanwhile sees the same bytes from either. The mapping is private (a write to a
+    weight copies its page, never reaching the blob), like a snapshot's restore.
+
+    The caller keeps ``buffer`` open and referenced while this runs: a closed buffer's
+    addresses may belong to another mapping by then. (The size and the file are checked
+    first: what the kernel can still refuse then is memory for its own tables.)
+    """
+    if sys.platform != "linux" or buffer.closed:
+        return False
+    size = len(buffer)
+    view = ctypes.c_char.from_buffer(buffer)  # an export: the buffer cannot close meanwhile
+    try:
+        address = ctypes.addressof(view)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != size:
+                return False
+            got = _libc.mmap(address, size, _PROT_READ | _PROT_WRITE,
+                             _MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if got != address:
+            return False
+        populate([(address, size)], sequential=False)  # page tables now, not in a forward
+        return True
+    finally:
+        del view

@@ -173,6 +173,35 @@ def test_replica_load_lists_once_reads_each_byte_once_and_publishes_behind(
     assert again.restored and len(s3_log.for_bucket(s3.bucket)) == before + len(requests)
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file this process maps at ``address`` ("" for anonymous memory), from its maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in parts[0].split("-"))
+        if low <= address < high:
+            return parts[5] if len(parts) > 5 else ""
+    return None
+
+
+def test_once_published_a_fresh_s3_loads_tensors_are_the_blobs_pages(
+    s3: Any, s3_endpoint: str, tmp_path: Path, config: LoaderConfig,
+) -> None:
+    """Write-behind leaves one copy of the weights on the node: once a blob is published,
+    the tensors built on the load's buffer sit on the blob's pages (the ones every later
+    replica maps), and the anonymous copy is gone."""
+    url, _ = _sharded(s3, tmp_path, "onecopy/m")
+    cfg = _behind(config, s3_endpoint)
+    got = snapshot_load(url, code_version="v1", config=cfg)
+    expected = {k: v.clone() for k, v in got.tensors.items()}
+    assert writebehind.wait_all(timeout_s=60)
+    blobs = {str(p) for p in cfg.node_root().glob("*/blobs/*") if not p.name.startswith(".")}
+    assert len(blobs) == len(SHARDS)
+    for name, tensor in got.tensors.items():
+        where = _mapped_file(tensor.untyped_storage().data_ptr())
+        assert where in blobs, f"{name} is on {where!r}, not a published blob"
+        assert torch.equal(tensor, expected[name])
+
+
 CHILD = """
 import sys, time
 from ember.loaders import load, _writebehind, _tier_node
