@@ -111,13 +111,21 @@ def tail(path: Path, chars: int = 3000) -> str:
 
 
 def bench_module(name: str) -> ModuleType:
-    """``bench/<name>.py`` imported by path (the benchmarks are scripts, not a package)."""
+    """``bench/<name>.py`` imported by path (the benchmarks are scripts, not a package).
+
+    The environment is put back after the import: a bench module may set variables for the
+    servers it starts, which no later test should run with."""
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return module
 
 

@@ -7,6 +7,7 @@ made ``bench/_ember_minilm.py`` refuse to load, and only the next benchmark run 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,12 +20,19 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def bench_module(name: str) -> ModuleType:
-    """``bench/<name>.py``, imported as the benchmarks import it (``bench/`` on the path)."""
+    """``bench/<name>.py``, imported as the benchmarks import it (``bench/`` on the path).
+
+    A bench module may set variables for the servers it starts (``_serving`` opens the admin
+    routes to loopback): this process's environment is put back after the import, so no
+    later test runs with them."""
     sys.path.insert(0, str(BENCH))
+    saved = dict(os.environ)
     try:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_the_throughput_contender_builds_with_the_shipped_options() -> None:

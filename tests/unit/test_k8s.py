@@ -196,6 +196,14 @@ def test_a_shells_opt_in_that_opens_a_door_is_refused_unless_named(variable: str
     assert variable not in json.dumps(manifest)
 
 
+def test_the_opening_settings_are_read_from_the_environment_given_not_this_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(``settings.load`` of a mapping also reads the process's variables.)"""
+    monkeypatch.setenv("EMBER_ADMIN_LOOPBACK", "1")
+    manifest = manifest_of(ember.App([Small], name="tests", warm_pool=0), {})
+    assert "EMBER_ADMIN_LOOPBACK" not in json.dumps(manifest)
+
+
 def test_a_malformed_setting_is_refused_before_any_manifest() -> None:
     with pytest.raises(ConfigError, match="EMBER_WARM_POOL"):
         manifest_of(ember.App([Small], warm_pool=0), {"EMBER_WARM_POOL": "many"})

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+)
 
 from ember import settings
 from ember.app.app import App
@@ -55,6 +63,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 CLIENT_SETTINGS = frozenset({"url", "admin_key", "api_key"})
 #: Settings that hold the keys callers present: read from a Secret, never written inline.
 SECRET_SETTINGS = ("api_keys", "admin_keys")
+_BOOL = TypeAdapter(bool)  # a setting's truth as pydantic reads it ("1", "true", "on", ...)
 #: Settings that open a door (admin routes to loopback callers, no key beyond loopback):
 #: written only when ``ember deploy`` is told so by name, never carried from a shell.
 OPENING_SETTINGS = ("admin_loopback", "allow_unauthenticated")
@@ -204,14 +213,14 @@ def container_env(environ: Mapping[str, str], *, port: int, secret: str,
         ConfigError: an ``EMBER_*`` variable holds a value of the wrong kind, or an opening
             setting is set but not named in ``opened``.
     """
-    loaded = settings.load(environ)  # refuse a bad value here, not in a pod that crash-loops
+    settings.load(environ)  # refuse a bad value here, not in a pod that crash-loops
     env: list[dict[str, Any]] = [{"name": settings.variable("port"), "value": str(port)}]
     for field in sorted(settings.Settings.model_fields):
         name = settings.variable(field)
         if field in OPENING_SETTINGS:
             if field in opened:
                 env.append({"name": name, "value": "1"})
-            elif getattr(loaded, field):
+            elif _BOOL.validate_python(environ.get(name) or False):  # this mapping's own
                 raise ConfigError(
                     f"{name} is set in this shell; a manifest does not carry it: pass "
                     f"--{field.replace('_', '-')} to `ember deploy` to open that door on the "
