@@ -27,7 +27,10 @@ log = logging.getLogger("ember.loaders")
 def regional_tier(config: LoaderConfig) -> RegionalTier | None:
     """The configured regional tier, if any."""
     url = config.regional_url()
-    return RegionalTier(url, dict(config.regional_storage_options)) if url else None
+    if not url:
+        return None
+    return RegionalTier(url, dict(config.regional_storage_options),
+                        max_connections=config.max_concurrency)
 
 
 class Fill:
@@ -76,6 +79,7 @@ class Fill:
         self.hit: NodeHit | None = None
         self.reader: StreamingReader | FileCopy | None = None
         self._from_regional = False
+        self._regional_sha = ""
 
     def _open_reader(self) -> StreamingReader | FileCopy:
         source, info = self.source, self.info
@@ -83,7 +87,7 @@ class Fill:
             record = self._regional_record(self.regional)
             if record is not None:
                 source, info = self.regional.source_for(self.key, record)
-                self._from_regional = True
+                self._from_regional, self._regional_sha = True, record.sha256
         # Write-behind hashes in the cache write, unless there is a checksum to verify
         # before anyone uses the tensors.
         hash_now = not (self.behind or self.seal_behind) or bool(info.sha256)
@@ -149,8 +153,9 @@ class Fill:
     def _failed(self, exc: BaseException | None) -> None:
         if self._tmp is not None:
             self._tmp.discard()
-        if isinstance(exc, IntegrityError) and self._from_regional and self.regional:
-            self.regional.remove(self.key.namespace, str(exc.fields.get("expected")))
+        if isinstance(exc, IntegrityError) and self._regional_sha and self.regional:
+            # The regional blob is named by its SHA-256, whichever checksum caught it.
+            self.regional.remove(self.key.namespace, self._regional_sha)
         self.ticket.finish(exc, published=False)
 
     def run(self) -> Iterator[TensorSpec]:

@@ -17,6 +17,9 @@ import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import blake3
 
 from ember.errors import IntegrityError, ShortRead
 from ember.loaders._config import LoaderConfig
@@ -29,6 +32,13 @@ Sink = Callable[[int, memoryview], None]
 #: ``progress(bytes_done, bytes_total)``.
 Progress = Callable[[int, int], None]
 _MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def _hasher(info: ObjectInfo, first: bytes) -> Any:
+    """BLAKE3 where the origin records it (its hashing never bounds a load), else SHA-256."""
+    if info.blake3 and info.sha256:
+        return blake3.blake3(first)
+    return hashlib.sha256(first)
 
 
 def plan_ranges(start: int, end: int, range_bytes: int) -> list[tuple[int, int]]:
@@ -99,7 +109,9 @@ class StreamingReader:
             checksum, when it publishes one); ``False`` leaves the hash to the cache write.
 
     After :meth:`run` is exhausted, :attr:`sha256` holds the checksum of the bytes (empty
-    when ``hash_bytes`` is ``False``).
+    when ``hash_bytes`` is ``False``). Where ``info`` carries a BLAKE3 as well (a regional
+    marker binds the two), the reader computes and checks that instead, and the verified
+    bytes take the marker's SHA-256.
     """
 
     def __init__(
@@ -124,7 +136,7 @@ class StreamingReader:
         self.buffer = anonymous_buffer(info.size)
         self._address = buffer_address(self.buffer)
         self.buffer[: len(raw)] = raw
-        self._hasher = hashlib.sha256(raw) if hash_bytes else None
+        self._hasher = _hasher(info, raw) if hash_bytes else None
         self._spans: dict[Future[None], tuple[int, int]] | None = None
         self._done: queue.SimpleQueue[Future[None]] = queue.SimpleQueue()
         self._own_pool: ThreadPoolExecutor | None = None
@@ -228,7 +240,10 @@ class StreamingReader:
         self.source.confirm(self.info)
         if self._hasher is None:
             return
-        self.sha256 = self._hasher.hexdigest()
-        expected = self.info.sha256
-        if expected and expected != self.sha256:
-            raise IntegrityError(what="sha256", name=name, expected=expected, actual=self.sha256)
+        actual = self._hasher.hexdigest()
+        vouched = bool(self.info.blake3 and self.info.sha256)
+        expected = self.info.blake3 if vouched else self.info.sha256
+        if expected and expected != actual:
+            raise IntegrityError(what="blake3" if vouched else "sha256", name=name,
+                                 expected=expected, actual=actual)
+        self.sha256 = self.info.sha256 if vouched and self.info.sha256 else actual

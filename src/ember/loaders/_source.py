@@ -20,6 +20,8 @@ class ObjectInfo:
         size: its size in bytes.
         version: a token that changes whenever the bytes change (ETag, commit, size+mtime).
         sha256: the content checksum, when the origin publishes one.
+        blake3: a BLAKE3 checksum of the same bytes, when the origin records one (the
+            regional cache's marker); a reader verifies it instead of ``sha256``.
         check: what each read compares against when it differs from ``version`` (a
             file's size/mtime when the version is a commit hash).
     """
@@ -29,6 +31,7 @@ class ObjectInfo:
     version: str
     sha256: str | None = None
     check: str | None = None
+    blake3: str | None = None
 
 
 class WeightSource(ABC):

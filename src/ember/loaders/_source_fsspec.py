@@ -62,11 +62,13 @@ class FsspecSource(WeightSource):
 
     def __init__(self, fs: Any, root: str, *, url: str, namespace: str | None = None) -> None:
         self.fs = fs
-        self.root = root.strip("/")
-        self.url = url
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        # A local file system's root is absolute (a regional cache on a shared mount); an
+        # object store's starts at its bucket.
+        self.root = root.rstrip("/") if protocol in ("file", "local") else root.strip("/")
+        self.url = url
         self._is_s3 = protocol in ("s3", "s3a")
-        head = self.root.split("/", 1)[0]
+        head = root.strip("/").split("/", 1)[0]
         digest = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:16]
         self.namespace = namespace or f"{protocol}--{component(head)}--{digest}"
 

@@ -33,10 +33,19 @@ class BlobKey:
 
 @dataclass(frozen=True)
 class BlobRecord:
-    """What a marker says about a published blob."""
+    """What a marker says about a published blob.
+
+    Attributes:
+        sha256: the blob's name and content checksum.
+        size: its size in bytes.
+        blake3: a second checksum of the same bytes, where the tier records one (the
+            regional tier): a reader verifies it at 4-5x SHA-256's speed per core, and it
+            vouches for ``sha256`` because the marker binds the two.
+    """
 
     sha256: str
     size: int
+    blake3: str = ""
 
 
 @dataclass(frozen=True)
