@@ -39,7 +39,7 @@ class BlobRecord:
         sha256: the blob's name and content checksum.
         size: its size in bytes.
         blake3: a second checksum of the same bytes, where the tier records one (the
-            regional tier): a reader verifies it at 4-5x SHA-256's speed per core, and it
+            regional tier): a reader verifies it several times faster than SHA-256, and it
             vouches for ``sha256`` because the marker binds the two.
     """
 
