@@ -14,7 +14,6 @@ written before carries SHA-256 only, and its readers verify that.
 from __future__ import annotations
 
 import json
-import mmap
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -31,6 +30,11 @@ from ember.loaders._source_s3 import S3Source, client_args
 from ember.loaders._tier import BlobKey, BlobRecord, CacheEntry, CacheTier
 
 _SMALL_CAP_BYTES = 64 << 10
+
+
+def _file_blake3(path: Path) -> str:
+    """The BLAKE3 of a published node blob (its pages are usually still warm)."""
+    return str(blake3.blake3().update_mmap(str(path)).hexdigest())
 
 
 class RegionalTier(CacheTier):
@@ -111,7 +115,7 @@ class RegionalTier(CacheTier):
             self._write(tmp, partial(self.fs.put_file, str(path), tmp))
             self.fs.mv(tmp, blob)
         marker = json.dumps({"sha256": record.sha256, "size": record.size,
-                             "blake3": record.blake3 or file_blake3(path)}).encode()
+                             "blake3": record.blake3 or _file_blake3(path)}).encode()
         for target in (f"{ns}/markers/{record.sha256}.json", self._ref(key)):
             self._write(target, partial(self.fs.pipe_file, target, marker))
 
@@ -121,7 +125,7 @@ class RegionalTier(CacheTier):
         try:
             write()
         except FileNotFoundError:
-            self.fs.makedirs(self.fs._parent(target), exist_ok=True)
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             write()
 
     def _has_blob(self, blob: str, size: int) -> bool:
@@ -149,14 +153,3 @@ class RegionalTier(CacheTier):
             except FileNotFoundError:
                 pass
         return removed
-
-
-def file_blake3(path: Path) -> str:
-    """The BLAKE3 of a local file (a published node blob: its pages are usually warm)."""
-    hasher = blake3.blake3()
-    with open(path, "rb") as fh:
-        if fh.seek(0, 2) == 0:
-            return hasher.hexdigest()
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            hasher.update(view)
-    return hasher.hexdigest()
