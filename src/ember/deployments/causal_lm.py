@@ -10,7 +10,8 @@ A replica loads in this order:
 1. ``config.json`` is read and checked (a bad one is refused before any weight is fetched),
    and the weights' bytes are compared with the node's free memory: a replica that cannot
    fit is refused with :class:`~ember.errors.InsufficientMemory` (503) before any weight
-   is read;
+   is read. The check counts the loads already starting on the node, and claims this
+   load's bytes until it has them (:mod:`ember.loaders.reservations`);
 2. a thread maps the node's snapshot of the weights (or streams them from the regional tier
    or the origin, shard by shard in the order the model uses them, and fills the node cache
    behind the load);
@@ -49,11 +50,12 @@ from ember import loaders
 # At import, not in setup(): a warm-runtime worker preloads the deployment's module, so a
 # replica finds transformers' model code imported (seconds of CPU on a busy node).
 from ember.deployments import _hf_preload  # noqa: F401
-from ember.errors import HeaderInvalid, InsufficientMemory
+from ember.errors import HeaderInvalid
 from ember.loaders import LoaderConfig, read_beside, snapshot_blobs, weights_bytes
 from ember.loaders.limits import record_load
 from ember.loaders.memory import available_bytes
 from ember.loaders.pages import populate, prefetch, resident_bytes
+from ember.loaders.reservations import claim
 
 #: Part of the snapshot key: a new construction path never restores an old snapshot.
 CODE_VERSION = f"causal-lm-1/ember-{ember.__version__}"
@@ -77,22 +79,6 @@ class LoadReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def check_fits(needed_bytes: int, free_bytes: int, *, what: str,
-               parts: str = "its weights") -> None:
-    """Refuse a load whose weights (and ``parts`` beside them) do not fit in the node's free
-    memory.
-
-    Raises:
-        InsufficientMemory: ``needed_bytes`` is over ``free_bytes`` (503).
-
-    Example:
-        >>> check_fits(1 << 30, 4 << 30, what="llama")
-    """
-    if needed_bytes > free_bytes:
-        raise InsufficientMemory(what=what, needed_bytes=needed_bytes, free_bytes=free_bytes,
-                                 parts=parts)
 
 
 def free_memory_bytes() -> int:
@@ -284,17 +270,20 @@ def load_causal_lm(url: str, *, config: Any = None, free_bytes: int | None = Non
     # refused before anything is fetched, cached or recorded.
     model_cfg = model_config(config_json or read_beside(url, CONFIG_NAME, cfg))
     reserved = reserve(model_cfg) if reserve is not None else (0, "")
-    check_fits(size + reserved[0], free_memory_bytes() if free_bytes is None else free_bytes,
-               what=url, parts=f"its weights ({size}){reserved[1]}")
-    marks.append(time.perf_counter())
-    with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
-        weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
-        model = build_on_meta(model_cfg)
+    # The check and the claim are one step: a load starting beside this one counts these
+    # bytes as taken until this one has them (ember.loaders.reservations).
+    with claim(cfg.node_root(), size + reserved[0],
+               free_bytes=free_memory_bytes if free_bytes is None else free_bytes,
+               what=url, parts=f"its weights ({size}){reserved[1]}"):
         marks.append(time.perf_counter())
-        done = weights.result()
+        with ThreadPoolExecutor(1, thread_name_prefix="ember-weights") as pool:
+            weights: Future[_Weights] = pool.submit(_map_and_prefetch, url, cfg, device)
+            model = build_on_meta(model_cfg)
+            marks.append(time.perf_counter())
+            done = weights.result()
+            marks.append(time.perf_counter())
+        model = assign_weights(model, done.got.tensors)
         marks.append(time.perf_counter())
-    model = assign_weights(model, done.got.tensors)
-    marks.append(time.perf_counter())
     phases = {"check": marks[1] - marks[0], "map": done.map_s, "construct": marks[2] - marks[1],
               "pages_wait": marks[3] - marks[2], "assign": marks[4] - marks[3],
               "total": marks[4] - marks[0], "pages_read": done.read_s}

@@ -45,7 +45,7 @@ def cgroup_headroom_bytes(*, proc_cgroup: Path | None = None,
     """The least headroom of this process's memory cgroup and its ancestors; ``None`` where
     none of them has a limit (or there are no cgroups to read). ``proc_cgroup`` and ``root``
     default to :data:`PROC_CGROUP` and :data:`CGROUP_ROOT`."""
-    found = _memory_cgroup(proc_cgroup or PROC_CGROUP, root or CGROUP_ROOT)
+    found = memory_cgroup(proc_cgroup or PROC_CGROUP, root or CGROUP_ROOT)
     if found is None:
         return None
     version, folder, top = found
@@ -60,7 +60,7 @@ def cgroup_headroom_bytes(*, proc_cgroup: Path | None = None,
     return min(headrooms, default=None)
 
 
-def _memory_cgroup(proc_cgroup: Path, root: Path) -> tuple[int, Path, Path] | None:
+def memory_cgroup(proc_cgroup: Path, root: Path) -> tuple[int, Path, Path] | None:
     """(version, this process's memory cgroup folder, the hierarchy's root folder)."""
     try:
         lines = proc_cgroup.read_text().splitlines()

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from ember.deployments.causal_lm import check_fits, load_causal_lm, next_token
+from ember.deployments.causal_lm import load_causal_lm, next_token
 from ember.errors import HeaderInvalid, InsufficientMemory
 from ember.loaders import pages, wait_for_cache_writes
 from ember.loaders.pages import evict, populate, prefetch, resident_bytes
+from ember.loaders.reservations import check_fits
 
 from support import bench_module
 

@@ -15,6 +15,7 @@ from ember.deployments import causal_lm
 from ember.errors import InsufficientMemory
 from ember.loaders import memory
 from ember.loaders.memory import available_bytes, cgroup_headroom_bytes
+from ember.loaders.reservations import check_fits
 
 GIB = 1 << 30
 
@@ -79,7 +80,7 @@ def test_the_load_is_refused_by_the_pods_limit_though_the_host_has_room(
     monkeypatch.setattr(memory, "CGROUP_ROOT", root)
     monkeypatch.setattr(memory, "PROC_CGROUP", _proc(tmp_path, "0::/pod\n"))
     with pytest.raises(InsufficientMemory) as caught:
-        causal_lm.check_fits(1 << 20, causal_lm.free_memory_bytes(), what="llama")
+        check_fits(1 << 20, causal_lm.free_memory_bytes(), what="llama")
     assert caught.value.fields["free_bytes"] == 1000
 
 
