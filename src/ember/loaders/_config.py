@@ -33,7 +33,8 @@ class LoaderConfig(BaseModel):
             ``~/.cache/ember``) when the loader runs.
         regional_cache: fsspec URL of the regional tier; ``None`` reads
             ``EMBER_REGIONAL_CACHE``; an empty string disables the tier.
-        cache_max_bytes: LRU cap on the node cache's blob bytes.
+        cache_max_bytes: LRU cap on the node cache's blob bytes (a blob a live process maps
+            is never evicted: unlinking it would free no disk).
         min_free_bytes: free disk space a fill must leave behind.
         lease_timeout_s: a fill lease whose heartbeat is older than this is taken over.
         lease_heartbeat_s: how often a filler refreshes its lease.

@@ -256,7 +256,8 @@ class NodeTier(CacheTier):
 
     # -- bounds --------------------------------------------------------------------------
     def make_room(self, size: int) -> None:
-        """Evict least-recently-used blobs (unlink only) until ``size`` more bytes fit.
+        """Evict least-recently-used blobs that no live process maps (unlink only) until
+        ``size`` more bytes fit.
 
         Raises:
             CacheFull: ``size`` alone exceeds the cap, or free disk stays under the floor.
@@ -267,15 +268,28 @@ class NodeTier(CacheTier):
         entries = sorted(self.entries(), key=lambda e: e.last_used_s)
         used = sum(e.size for e in entries)
         floor = self.config.min_free_bytes
+
+        def fits() -> bool:
+            return used + size <= cap and shutil.disk_usage(self.root).free - size >= floor
+
+        if fits():
+            return
+        # A blob a live process maps is never evicted: unlinking it frees no byte of disk
+        # until its last mapping goes, and the next replica of its model would fetch it
+        # again while the old copy still fills the disk.
+        in_use = mapped_blobs(self.root)
         for entry in entries:
-            if used + size <= cap and shutil.disk_usage(self.root).free - size >= floor:
-                return
+            if entry.sha256 in in_use:
+                continue
             self.remove(entry.namespace, entry.sha256)
             used -= entry.size
+            if fits():
+                return
         free = shutil.disk_usage(self.root).free
-        if used + size > cap or free - size < floor:
-            reason = f"{free} bytes free, min_free_bytes={floor}"
-            raise CacheFull(size=size, root=self.root, reason=reason)
+        held = sum(e.size for e in entries if e.sha256 in in_use)
+        reason = (f"{free} bytes free, min_free_bytes={floor}, cache_max_bytes={cap}; "
+                  f"{held} bytes are blobs that running processes map")
+        raise CacheFull(size=size, root=self.root, reason=reason)
 
     def sweep_temps(self) -> None:
         """Remove temp files of fills whose process died (a kill -9 leaves a miss), and
@@ -343,6 +357,32 @@ class NodeTier(CacheTier):
             with contextlib.suppress(FileNotFoundError):
                 link.unlink()
         return removed
+
+
+def mapped_blobs(root: Path) -> set[str]:
+    """The blobs under ``root`` (by SHA-256 name) that a process this one can see maps now.
+
+    Read from each process's ``/proc/<pid>/maps``: those of other users, other PID
+    namespaces (another pod sharing the folder) and processes that end meanwhile are not
+    seen, and their blobs count as unmapped.
+    """
+    prefix = os.path.realpath(root) + os.sep
+    found: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        if prefix not in text:
+            continue
+        for line in text.splitlines():
+            at = line.find(prefix)
+            if at < 0:
+                continue
+            parts = line[at + len(prefix):].removesuffix(" (deleted)").split("/")
+            if len(parts) == 3 and parts[1] == "blobs" and SHA256_HEX.match(parts[2]):
+                found.add(parts[2])
+    return found
 
 
 def _fsync_dir(path: Path) -> None:

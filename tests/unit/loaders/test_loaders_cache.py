@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +84,46 @@ def test_lru_eviction_by_unlink_keeps_open_mappings_valid(
     assert cached == {"a.safetensors", "c.safetensors"}
     assert sum(e.size for e in node.entries()) <= capped.cache_max_bytes
     assert torch.equal(held, torch.full((1000,), 0.0))
+
+
+# Maps the file it is given (as a replica maps its weights), says "mapped", and holds the
+# mapping until its stdin closes.
+_MAPPER = """
+import mmap, sys
+with open(sys.argv[1], "rb") as f:
+    view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+print("mapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_eviction_passes_over_a_blob_another_process_maps(
+    write_file: Writer, config: LoaderConfig
+) -> None:
+    files = {
+        k: write_file({"w": torch.full((1000,), float(i))}, f"{k}.safetensors")
+        for i, k in enumerate("abc")
+    }
+    one = files["a"].stat().st_size
+    capped = config.model_copy(update={"cache_max_bytes": 2 * one + 10})
+    blob_a = _blob(capped, files["a"])  # a is the least recently used
+    time.sleep(0.02)
+    load(files["b"].as_uri(), config=capped)
+    mapper = subprocess.Popen([sys.executable, "-c", _MAPPER, str(blob_a)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+        load(files["c"].as_uri(), config=capped)  # evicts b: a is mapped by the other process
+        cached = {e.names[0].rsplit("/", 1)[-1] for e in NodeTier(capped).entries()}
+        assert cached == {"a.safetensors", "c.safetensors"}
+        # Only mapped blobs are left to evict: the fill is refused, naming them.
+        load(files["b"].as_uri(), config=capped)  # a fresh b evicts c (unmapped)
+        with pytest.raises(CacheFull, match=f"{one} bytes are blobs that running processes map"):
+            NodeTier(capped).make_room(2 * one)
+    finally:
+        assert mapper.stdin is not None
+        mapper.stdin.close()
+        mapper.wait(timeout=30)
 
 
 def test_blob_over_the_cap_is_refused_and_leaves_nothing(
