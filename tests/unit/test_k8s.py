@@ -15,7 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 import ember
 from ember.cli import main
-from ember.cluster import build, k8s, runtime
+from ember.cluster import build, k8s, k8s_redis, runtime
 from ember.cluster.k8s import ClusterShape, Replica, nodes_needed
 from ember.errors import ConfigError
 
@@ -353,7 +353,7 @@ def test_only_the_ray_head_reaches_the_gcs_redis() -> None:
     redis_pod = by_kind["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert _selects(spec["podSelector"], redis_pod) and spec["policyTypes"] == ["Ingress"]
     (rule,) = spec["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": k8s.REDIS_PORT}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": k8s_redis.REDIS_PORT}]
     (peer,) = rule["from"]
     cluster = service["spec"]["rayClusterConfig"]
     head = {**cluster["headGroupSpec"]["template"]["metadata"]["labels"],

@@ -51,6 +51,7 @@ from ember import settings
 from ember.app.app import App
 from ember.cluster.build import IMPORT_PATH
 from ember.cluster.defaults import EDGE_NUM_CPUS, POOL_NUM_CPUS
+from ember.cluster.k8s_redis import gcs_fault_tolerance, redis_name, redis_objects
 from ember.cluster.runtime import THROUGHPUT_SETTINGS
 from ember.edge.edge import DRAIN_S
 from ember.errors import ConfigError
@@ -302,65 +303,6 @@ def _worker_spec(group: WorkerGroup, shape: ClusterShape, env: list[dict[str, An
     }
 
 
-#: The Redis image a manifest runs when no Redis is named.
-REDIS_IMAGE = "redis:7.4"
-REDIS_PORT = 6379
-
-
-def redis_secret(app_name: str) -> str:
-    """The Secret whose ``password`` key holds the GCS's Redis password."""
-    return f"{manifest_name(app_name)}-redis"
-
-
-def gcs_fault_tolerance(app_name: str, redis_address: str | None) -> dict[str, Any]:
-    """``gcsFaultToleranceOptions``: the GCS in Redis at ``redis_address`` (default: the
-    one :func:`redis_objects` makes), its password from :func:`redis_secret`."""
-    address = redis_address or f"{manifest_name(app_name)}-redis:{REDIS_PORT}"
-    ref = {"name": redis_secret(app_name), "key": "password"}
-    return {"redisAddress": address, "redisPassword": {"valueFrom": {"secretKeyRef": ref}}}
-
-
-def redis_objects(app_name: str, namespace: str | None, *,
-                  storage_gib: int = 1) -> list[dict[str, Any]]:
-    """A one-replica Redis for the GCS: a volume, a Deployment writing an append-only file
-    to it (fsync every second), a Service, and a NetworkPolicy that lets only the Ray head
-    reach it, all in the manifest's namespace."""
-    name = redis_secret(app_name)
-    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "ember"}
-    meta: dict[str, Any] = {"name": name, "labels": labels}
-    if namespace:
-        meta["namespace"] = namespace
-    password = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
-        "name": name, "key": "password"}}}
-    container = {
-        "name": "redis", "image": REDIS_IMAGE,
-        "command": ["sh", "-c", "exec redis-server --appendonly yes --appendfsync everysec "
-                    "--dir /data --requirepass \"$REDIS_PASSWORD\""],
-        "env": [password], "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
-    }
-    pod = {"metadata": {"labels": labels}, "spec": {"containers": [container], "volumes": [
-        {"name": "data", "persistentVolumeClaim": {"claimName": name}}]}}
-    return [
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta,
-         "spec": {"accessModes": ["ReadWriteOnce"],
-                  "resources": {"requests": {"storage": f"{storage_gib}Gi"}}}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
-                  "selector": {"matchLabels": labels}, "template": pod}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-         "spec": {"selector": labels, "ports": [{"name": "redis", "port": REDIS_PORT}]}},
-        # Redis holds the GCS's tables (pickled functions among them): only the head, where
-        # the GCS runs, may reach it; the password alone would be one secret from any pod.
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
-         "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"],
-                  "ingress": [{"from": [{"podSelector": {"matchLabels": {
-                      POD_LABEL: manifest_name(app_name), HEAD_NODE_LABEL: "head"}}}],
-                      "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}},
-    ]
-
-
 def manifest_name(app_name: str) -> str:
     """A DNS-1123 name for the app: ``My_App`` -> ``my-app``."""
     return app_name.lower().replace("_", "-").strip("-") or "ember"
@@ -497,9 +439,11 @@ def manifests(app: App, target: str, shape: ClusterShape, *, environ: Mapping[st
     ``NetworkPolicy``. ``opened``: see :func:`container_env`."""
     service = rayservice(app, target, shape, environ=environ, ray_version=ray_version,
                          opened=opened)
+    name = redis_name(manifest_name(app.name))
     service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] = gcs_fault_tolerance(
-        app.name, redis_address)
-    redis = [] if redis_address else redis_objects(app.name, shape.namespace)
+        name, redis_address)
+    head = {POD_LABEL: manifest_name(app.name), HEAD_NODE_LABEL: "head"}
+    redis = [] if redis_address else redis_objects(name, shape.namespace, head_labels=head)
     return [*redis, service, network_policy(service, serve_port(service))]
 
 
