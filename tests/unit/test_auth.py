@@ -182,8 +182,9 @@ def test_no_keys_means_auth_off() -> None:
     assert asyncio.run(_get(app)).status_code == 200
 
 
-def test_non_http_scopes_pass_through() -> None:
+def test_lifespan_passes_and_a_websocket_is_closed_before_the_app() -> None:
     seen: list[str] = []
+    sent: list[Message] = []
 
     async def inner(scope: Scope, receive: Receive, send: Send) -> None:
         seen.append(scope["type"])
@@ -191,13 +192,16 @@ def test_non_http_scopes_pass_through() -> None:
     async def nothing() -> Message:
         return {}
 
-    async def drop(message: Message) -> None:
-        return None
+    async def keep(message: Message) -> None:
+        sent.append(message)
 
     middleware = AuthMiddleware(inner, ApiKeys([KEY]))
-    asyncio.run(middleware({"type": "lifespan"}, nothing, drop))
-    asyncio.run(middleware({"type": "websocket", "path": "/x", "headers": []}, nothing, drop))
-    assert seen == ["lifespan", "websocket"]
+    asyncio.run(middleware({"type": "lifespan"}, nothing, keep))
+    headers = [(b"authorization", f"Bearer {KEY}".encode())]  # even with a valid key
+    asyncio.run(middleware({"type": "websocket", "path": "/x", "headers": headers},
+                           nothing, keep))
+    assert seen == ["lifespan"]
+    assert sent == [{"type": "websocket.close", "code": 1008}]
 
 
 def test_unauthenticated_body_is_never_read() -> None:

@@ -199,8 +199,9 @@ class AuthMiddleware:
     take an admin key, and an invoke key gets 403 there. With no admin key configured they
     answer 403, unless ``EMBER_ADMIN_LOOPBACK=1`` opens them to loopback clients (still
     asking for an invoke key when invoke auth is on): a TLS proxy on the same host connects
-    from loopback, so that opt-in is for local development only. Non-HTTP scopes (lifespan)
-    and ``open_paths`` (exact matches, so ``/healthz/../metrics`` is not open) pass. On
+    from loopback, so that opt-in is for local development only. WebSocket scopes are closed
+    (1008); lifespan scopes and ``open_paths`` (exact matches, so ``/healthz/../metrics`` is
+    not open) pass. On
     success the key's id is left in ``scope["state"]["api_key_id"]``.
 
     Args:
@@ -218,6 +219,11 @@ class AuthMiddleware:
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # No route of the edge is a WebSocket, and none may pass unchecked should a
+            # server ever accept the upgrade: refused before anything reads it.
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
