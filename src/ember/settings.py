@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     edge_max_concurrency: int = Field(
         2048, ge=1, description="connections and requests one edge holds before answering 503",
     )
+    edge_max_connections_per_client: int = Field(
+        512, ge=0, description="connections one client address holds at one edge before the "
+        "next is answered 503 and closed (0 = no cap; behind a proxy every client is the proxy)",
+    )
     access_log: bool = Field(False, description="Ray Serve's per-request access log lines")
     textgen_model: str | None = Field(
         None, description="the textgen app's model: a weights URL (file://, s3://, https://: "

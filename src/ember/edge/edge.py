@@ -78,13 +78,17 @@ def server_config(app: Any) -> uvicorn.Config:
     requests at once (uvicorn answers 503 beyond), so a flood of idle or slow connections
     cannot take the process's memory and file descriptors, and each request's head within
     ``EMBER_BODY_TIMEOUT_S`` (else the connection is closed), so such a flood cannot hold
-    those slots either. No WebSocket: the edge serves no such route, and an upgrade request
-    is answered as the plain HTTP request it also is, through every check of the edge."""
+    those slots either, and at most ``EMBER_EDGE_MAX_CONNECTIONS_PER_CLIENT`` from one client
+    address, so one client cannot hold every slot. No WebSocket: the edge serves no such
+    route, and an upgrade request is answered as the plain HTTP request it also is, through
+    every check of the edge."""
     loaded = settings.load()
     return uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
                           log_level=logging.WARNING, timeout_keep_alive=75, ws="none",
                           limit_concurrency=loaded.edge_max_concurrency,
-                          http=head_deadline_protocol(loaded.body_timeout_s))
+                          http=head_deadline_protocol(
+                              loaded.body_timeout_s,
+                              per_client=loaded.edge_max_connections_per_client))
 
 
 class _EdgeServer(uvicorn.Server):
