@@ -168,7 +168,9 @@ def _alive(pid: int, started: float) -> bool:
 
 def _write(folder: Path, size: int, what: str) -> Path:
     me = psutil.Process()
-    doc = {"pid": me.pid, "started": me.create_time(), "bytes": size, "what": what[:300]}
+    # The load's name without a query string: a signed URL's signature stays out of the file.
+    doc = {"pid": me.pid, "started": me.create_time(), "bytes": size,
+           "what": what.split("?", 1)[0][:300]}
     name = f"{me.pid}-{uuid.uuid4().hex}"
     tmp = folder / f".{name}.tmp"
     tmp.write_text(json.dumps(doc))
