@@ -1,5 +1,5 @@
-"""A request's head must arrive within the body's deadline, from the connection's first
-moment or from its first byte.
+"""The edge's HTTP protocol: a deadline for each request's head, a cap on one client's
+connections, and no protocol upgrade.
 
 uvicorn arms its keep-alive timer only after a response, so a connection that never sends
 a byte, or trickles its request line and headers a byte at a time, held its slot for ever;
@@ -13,8 +13,16 @@ byte of a new request, ``cycle`` is still the one it was. The edges' live test
 (``tests/unit/http/test_body_guard_live.py``) fails if uvicorn stops keeping it so.
 
 The same class caps the connections of one client address: ``limit_concurrency`` is the
-edge's in all, so one client could otherwise hold every slot (by keeping connections open
-within the head deadline, again and again) and leave none to the rest.
+edge's in all, so one client could otherwise hold every slot. A connection over the cap is
+taken out of uvicorn's count at once and closed within ``OVER_CAP_WAIT_S``.
+
+And it refuses every upgrade (WebSocket, h2c, CONNECT's tunnel) with a 400 before the app
+sees the request, then closes: the edge serves no such protocol, and uvicorn without one
+runs the request through the app while httptools stops parsing at the upgrade, so the
+bytes after it (a body, or a second request hidden in one) were read as a new request.
+uvicorn asks ``_should_upgrade`` at every head in both of its HTTP implementations and keeps
+a request it answers yes to from the app; ``head_deadline_protocol`` fails closed if a
+uvicorn lacks the methods this rests on.
 """
 
 from __future__ import annotations
@@ -23,22 +31,42 @@ import asyncio
 from collections import Counter
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+#: How long a connection over its client's cap waits for its request before it is closed.
+OVER_CAP_WAIT_S = 1.0
+
+
+def _answer(status: bytes, text: bytes) -> bytes:
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(text)).encode() + b"\r\n\r\n"
+            + text)
+
+
 #: What a connection over its client's cap is told before it is closed.
-OVER_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"connection: close\r\ncontent-length: 37\r\n\r\n"
-            b"too many connections from one client\n")
+OVER_CAP = _answer(b"503 Service Unavailable", b"too many connections from one client\n")
+#: What an upgrade request is told before its connection is closed.
+UPGRADE_REFUSED = _answer(b"400 Bad Request", b"protocol upgrades are not served here\n")
+
+_UVICORN_HOOKS = ("_get_upgrade", "_should_upgrade", "handle_websocket_upgrade",
+                  "connection_made", "data_received", "connection_lost")
 
 
-def head_deadline_protocol(deadline_s: float, *,
-                           per_client: int = 0) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools' or h11's, as uvicorn picks) with a deadline of
-    ``deadline_s`` seconds for each request's head, and at most ``per_client`` connections
-    (0: no cap) from one client address; the class counts the connections of one server."""
+def head_deadline_protocol(deadline_s: float, *, per_client: int = 0,
+                           base: type[asyncio.Protocol] = AutoHTTPProtocol,
+                           ) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol ``base`` (httptools' or h11's, as uvicorn picks) with a
+    deadline of ``deadline_s`` seconds for each request's head, at most ``per_client``
+    connections (0: no cap) from one client address (counted per class: one server's), and
+    every upgrade refused."""
+    missing = [name for name in _UVICORN_HOOKS if not callable(getattr(base, name, None))]
+    if missing:
+        raise RuntimeError(f"uvicorn {uvicorn.__version__}'s {base.__name__} has no "
+                           f"{', '.join(missing)}: the edge's HTTP guards rest on them")
     clients: Counter[str] = Counter()
 
-    class HeadDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+    class HeadDeadlineProtocol(base):  # type: ignore[misc,valid-type]
         _head_timer: asyncio.TimerHandle | None = None
         _client: str | None = None
         _over_cap = False
@@ -47,22 +75,22 @@ def head_deadline_protocol(deadline_s: float, *,
             super().connection_made(transport)
             peer = transport.get_extra_info("peername")
             client = str(peer[0]) if isinstance(peer, tuple) and peer else None
+            if per_client and client is not None and clients[client] >= per_client:
+                # Out of uvicorn's count (else one client's surplus still fills every slot),
+                # answered once its request arrives (closed with a request in flight, the
+                # socket would be reset before the client reads why), closed soon if none.
+                self.connections.discard(self)
+                self._over_cap = True
+                self._head_timer = self.loop.call_later(OVER_CAP_WAIT_S, self.transport.close)
+                return
             if per_client and client is not None:
-                if clients[client] >= per_client:
-                    # Answered once its request arrives (as a closed socket with a request
-                    # in flight would be a reset the client cannot read), and closed at the
-                    # head's deadline if it sends none.
-                    self._over_cap = True
-                else:
-                    clients[client] += 1
-                    self._client = client
+                clients[client] += 1
+                self._client = client
             self._arm()
 
         def data_received(self, data: bytes) -> None:
             if self._over_cap:
-                if not self.transport.is_closing():
-                    self.transport.write(OVER_CAP)
-                    self.transport.close()
+                self._finish(OVER_CAP)
                 return
             # A new request's first bytes: nothing under way, or its response sent.
             if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
@@ -79,6 +107,25 @@ def head_deadline_protocol(deadline_s: float, *,
                 self._head_timer.cancel()
                 self._head_timer = None
             super().connection_lost(exc)
+
+        def _should_upgrade(self) -> bool:
+            # httptools asks only when its parser saw an upgrade (CONNECT included); h11
+            # asks at every head. Yes keeps the request from the app.
+            parser = getattr(self, "parser", None)
+            seen = parser is not None and bool(parser.should_upgrade())
+            if not seen and self._get_upgrade() is None:
+                return False
+            self._finish(UPGRADE_REFUSED)
+            return True
+
+        def handle_websocket_upgrade(self, *args: Any) -> None:
+            self._finish(UPGRADE_REFUSED)
+
+        def _finish(self, answer: bytes) -> None:
+            # A closed transport reads nothing more: what follows is never parsed.
+            if not self.transport.is_closing():
+                self.transport.write(answer)
+                self.transport.close()
 
         def _arm(self) -> None:
             self._head_timer = self.loop.call_later(deadline_s, self._late, self.cycle)

@@ -79,9 +79,8 @@ def server_config(app: Any) -> uvicorn.Config:
     cannot take the process's memory and file descriptors, and each request's head within
     ``EMBER_BODY_TIMEOUT_S`` (else the connection is closed), so such a flood cannot hold
     those slots either, and at most ``EMBER_EDGE_MAX_CONNECTIONS_PER_CLIENT`` from one client
-    address, so one client cannot hold every slot. No WebSocket: the edge serves no such
-    route, and an upgrade request is answered as the plain HTTP request it also is, through
-    every check of the edge."""
+    address, so one client cannot hold every slot. No protocol upgrade: the edge serves none,
+    so an upgrade request is answered 400 and its connection closed (``_head_deadline``)."""
     loaded = settings.load()
     return uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
                           log_level=logging.WARNING, timeout_keep_alive=75, ws="none",

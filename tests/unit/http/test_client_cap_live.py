@@ -21,6 +21,7 @@ from ember.edge.edge import listening_socket, server_config
 from support import free_port, wait_for
 
 CAP = 2
+SLOTS = 5  # limit_concurrency: the edge's connections in all
 REQUEST = b"GET / HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n"
 
 
@@ -34,7 +35,7 @@ async def ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def port() -> Iterator[int]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EMBER_EDGE_MAX_CONNECTIONS_PER_CLIENT", str(CAP))
-        env.setenv("EMBER_EDGE_MAX_CONCURRENCY", "64")
+        env.setenv("EMBER_EDGE_MAX_CONCURRENCY", str(SLOTS))
         config = server_config(ok_app)
     config.lifespan = "off"
     number = free_port()
@@ -80,6 +81,25 @@ def test_a_client_over_its_cap_gets_503_while_others_are_served(port: int) -> No
 
     try:
         wait_for(served, 20, what="the freed slot")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_clients_surplus_takes_no_slot_and_is_closed(port: int) -> None:
+    # More connections than the edge has slots, all from one client: those over its cap
+    # must leave uvicorn's count (else the next client gets "Exceeded concurrency limit").
+    held = [_connect(port, "127.0.0.2") for _ in range(CAP + SLOTS)]
+    try:
+        time.sleep(0.2)
+        with _connect(port, "127.0.0.3") as other:
+            assert _status(other).startswith(b"HTTP/1.1 200"), "a surplus took the slots"
+        # A surplus connection that sends nothing is closed soon, not at the head deadline.
+        surplus = held[-1]
+        surplus.settimeout(10)
+        started = time.monotonic()
+        assert surplus.recv(4096) == b""
+        assert time.monotonic() - started < 8, "a surplus connection was held"
     finally:
         for sock in held:
             sock.close()
