@@ -110,10 +110,12 @@ def head_deadline_protocol(deadline_s: float, *, per_client: int = 0,
 
         def _should_upgrade(self) -> bool:
             # httptools asks only when its parser saw an upgrade (CONNECT included); h11
-            # asks at every head. Yes keeps the request from the app.
+            # asks at every head, and takes a CONNECT for a plain request. Yes keeps the
+            # request from the app.
             parser = getattr(self, "parser", None)
             seen = parser is not None and bool(parser.should_upgrade())
-            if not seen and self._get_upgrade() is None:
+            connect = self.scope.get("method") == "CONNECT"
+            if not seen and not connect and self._get_upgrade() is None:
                 return False
             self._finish(UPGRADE_REFUSED)
             return True

@@ -99,3 +99,14 @@ def test_a_uvicorn_without_the_hooks_fails_closed() -> None:
 
     with pytest.raises(RuntimeError, match="_should_upgrade"):
         head_deadline_protocol(5, base=Bare)
+
+
+def test_a_connect_is_refused_and_no_tunnel_opens(port: int) -> None:
+    SEEN.clear()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
+                     b"GET /tunnelled HTTP/1.1\r\nHost: edge\r\n\r\n")
+        answer = _until_closed(sock)
+    time.sleep(0.3)
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert SEEN == [], f"the app saw {SEEN}"
