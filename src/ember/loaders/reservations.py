@@ -8,8 +8,9 @@ counts them as taken until the claim is released.
 
 The ledger is a folder of small files, one per claim, under the node cache's root, and an
 ``flock`` makes the check and the claim one step. A claim names its process (PID and start
-time): a process killed mid-load leaves a file that the next check finds dead and removes,
-so a crash never leaks memory from the ledger. Claims are kept per memory domain (the
+time, in clock ticks after boot, which no wall-clock step moves): a process killed mid-load
+leaves a file that the next check finds dead and removes, so a crash never leaks memory from
+the ledger. Claims are kept per memory domain (the
 kernel's boot, the PID namespace and the memory cgroup): pods that share a host folder but
 have limits of their own do not count each other's claims.
 
@@ -37,8 +38,6 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-
-import psutil
 
 from ember.errors import InsufficientMemory
 from ember.loaders import memory
@@ -142,12 +141,12 @@ def _live_claims(folder: Path) -> list[int]:
     for path in folder.glob("*.json"):
         try:
             doc = json.loads(path.read_text())
-            pid, started, size = int(doc["pid"]), float(doc["started"]), int(doc["bytes"])
+            pid, ticks, size = int(doc["pid"]), int(doc["start_ticks"]), int(doc["bytes"])
         except (OSError, ValueError, KeyError, TypeError):
             # Half-written files never appear (each is renamed into place): unreadable is
             # foreign, and is left alone but not counted.
             continue
-        if _alive(pid, started):
+        if _alive(pid, ticks):
             live.append(size)
         else:
             with contextlib.suppress(OSError):
@@ -155,23 +154,35 @@ def _live_claims(folder: Path) -> list[int]:
     return live
 
 
-def _alive(pid: int, started: float) -> bool:
+def _alive(pid: int, start_ticks: int) -> bool:
     try:
-        process = psutil.Process(pid)
-        # A PID the kernel gave again to a new process has another start time; a zombie
-        # holds no memory.
-        return bool(abs(process.create_time() - started) < 0.5
-                and process.status() != psutil.STATUS_ZOMBIE)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+        now = _start_ticks(pid)
+    except PermissionError:
+        return True  # there, but not ours to read: counted, failing safe
+    # A PID the kernel gave again to a new process has another start; a zombie holds no
+    # memory.
+    return now is not None and now == (start_ticks, False)
+
+
+def _start_ticks(pid: int) -> tuple[int, bool] | None:
+    """The process's start in clock ticks after boot (which no wall-clock step moves, unlike
+    a start time in seconds since the epoch) and whether it is a zombie; None if none runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the name in brackets may hold anything
+    return int(fields[19]), fields[0] == "Z"
 
 
 def _write(folder: Path, size: int, what: str) -> Path:
-    me = psutil.Process()
+    pid = os.getpid()
+    mine = _start_ticks(pid)
+    assert mine is not None  # this process runs
     # The load's name without a query string: a signed URL's signature stays out of the file.
-    doc = {"pid": me.pid, "started": me.create_time(), "bytes": size,
+    doc = {"pid": pid, "start_ticks": mine[0], "bytes": size,
            "what": what.split("?", 1)[0][:300]}
-    name = f"{me.pid}-{uuid.uuid4().hex}"
+    name = f"{pid}-{uuid.uuid4().hex}"
     tmp = folder / f".{name}.tmp"
     tmp.write_text(json.dumps(doc))
     path = folder / f"{name}.json"

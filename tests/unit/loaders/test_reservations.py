@@ -6,6 +6,7 @@ hold theirs), started with ``python -c`` and stopped by its PID.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -117,6 +118,22 @@ def test_a_claim_of_a_killed_process_is_not_counted_and_is_removed(holders: Hold
     with claim(holders.root, 600, free_bytes=1000, what="after the kill"):
         assert claimed_bytes(holders.root) == 600  # its own claim only
     assert not list((holders.root / FOLDER).glob("*/*.json"))
+
+
+def test_a_claim_of_a_zombie_or_of_a_pid_given_again_is_not_counted(
+        holders: Holders) -> None:
+    zombie = holders.hold(300, free=1000)
+    os.kill(zombie.pid, signal.SIGKILL)  # not waited for: a zombie, its memory freed
+    wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+             == "Z", 20, what="the zombie")
+    live = holders.hold(200, free=1000)
+    folder = next((holders.root / FOLDER).iterdir())
+    doc = json.loads(next(folder.glob(f"{live.pid}-*.json")).read_text())
+    # This very PID, as if the kernel had given it to a new process: another start.
+    (folder / f"{live.pid}-again.json").write_text(json.dumps(
+        {**doc, "start_ticks": doc["start_ticks"] - 1, "bytes": 400}))
+    assert claimed_bytes(holders.root) == 200  # the live holder's only
+    zombie.wait(timeout=30)
 
 
 def test_a_causal_lm_load_counts_the_claims_of_loads_under_way(
