@@ -104,3 +104,15 @@ def test_the_password_is_never_on_the_command_line_and_every_client_needs_it(
     with pytest.raises(redis.AuthenticationError):
         _client(port, PASSWORD + "x").ping()
     assert _client(port, PASSWORD).ping()
+
+
+@pytest.mark.parametrize("password", ["", "w0rd\n", "two\nlines"],
+                         ids=["empty", "trailing newline", "two lines"])
+def test_an_empty_or_multi_line_password_stops_the_container_with_why(
+        tmp_path: Path, password: str) -> None:
+    env = {**os.environ, "REDIS_PASSWORD": password,
+           "PATH": f"{_redis_bin(tmp_path)}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(_command(tmp_path, free_port()), env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 1 and "must be one line, not empty" in done.stderr, done
+    assert not (tmp_path / "argv").exists(), "redis-server was started"

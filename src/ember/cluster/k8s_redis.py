@@ -21,6 +21,11 @@ REDIS_PORT = 6379
 #: and the rest of the settings come as arguments. ``exec`` leaves Redis as the container's
 #: first process, so it gets Kubernetes' SIGTERM and writes its file before it stops.
 REDIS_SCRIPT = (
+    # An empty password would write `requirepass ""`: no password at all. A line break
+    # cannot be one config line (and $(...) would drop a trailing one, so Redis and its
+    # clients would hold different passwords): both refused, so the pod says why.
+    'case "$REDIS_PASSWORD" in ""|*"\n"*) echo "REDIS_PASSWORD must be one line, not empty'
+    ' (does the Secret end in a newline?)" >&2; exit 1;; esac\n'
     "exec redis-server - --appendonly yes --appendfsync everysec --dir /data <<EOF\n"
     "requirepass \"$(printf '%s' \"$REDIS_PASSWORD\" | sed 's/[\\\\\"]/\\\\&/g')\"\n"
     "EOF\n"
