@@ -279,14 +279,14 @@ class NodeTier(CacheTier):
         # again while the old copy still fills the disk.
         in_use = mapped_blobs(self.root)
         for entry in entries:
-            if entry.sha256 in in_use:
+            if (entry.namespace, entry.sha256) in in_use:
                 continue
             self.remove(entry.namespace, entry.sha256)
             used -= entry.size
             if fits():
                 return
         free = shutil.disk_usage(self.root).free
-        held = sum(e.size for e in entries if e.sha256 in in_use)
+        held = sum(e.size for e in entries if (e.namespace, e.sha256) in in_use)
         reason = (f"{free} bytes free, min_free_bytes={floor}, cache_max_bytes={cap}; "
                   f"{held} bytes are blobs that running processes map")
         raise CacheFull(size=size, root=self.root, reason=reason)
@@ -359,15 +359,16 @@ class NodeTier(CacheTier):
         return removed
 
 
-def mapped_blobs(root: Path) -> set[str]:
-    """The blobs under ``root`` (by SHA-256 name) that a process this one can see maps now.
+def mapped_blobs(root: Path) -> set[tuple[str, str]]:
+    """The blobs under ``root`` (as namespace and SHA-256 name) that a process this one can
+    see maps now; a mapping of a file already unlinked is not its name's blob.
 
     Read from each process's ``/proc/<pid>/maps``: those of other users, other PID
     namespaces (another pod sharing the folder) and processes that end meanwhile are not
     seen, and their blobs count as unmapped.
     """
     prefix = os.path.realpath(root) + os.sep
-    found: set[str] = set()
+    found: set[tuple[str, str]] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text(errors="replace")
@@ -377,11 +378,11 @@ def mapped_blobs(root: Path) -> set[str]:
             continue
         for line in text.splitlines():
             at = line.find(prefix)
-            if at < 0:
+            if at < 0 or line.endswith(" (deleted)"):
                 continue
-            parts = line[at + len(prefix):].removesuffix(" (deleted)").split("/")
+            parts = line[at + len(prefix):].split("/")
             if len(parts) == 3 and parts[1] == "blobs" and SHA256_HEX.match(parts[2]):
-                found.add(parts[2])
+                found.add((parts[0], parts[2]))
     return found
 
 

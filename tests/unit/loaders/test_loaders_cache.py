@@ -17,7 +17,7 @@ import torch
 from ember.loaders import CacheFull, HeaderInvalid, LoaderConfig, UnsafePath, load, resolve
 from ember.loaders._lease import Lease, acquire
 from ember.loaders._paths import check_relative, within
-from ember.loaders._tier_node import NodeTier
+from ember.loaders._tier_node import NodeTier, mapped_blobs
 
 Writer = Callable[[dict[str, torch.Tensor], str], Path]
 
@@ -120,6 +120,27 @@ def test_eviction_passes_over_a_blob_another_process_maps(
         load(files["b"].as_uri(), config=capped)  # a fresh b evicts c (unmapped)
         with pytest.raises(CacheFull, match=f"{one} bytes are blobs that running processes map"):
             NodeTier(capped).make_room(2 * one)
+    finally:
+        assert mapper.stdin is not None
+        mapper.stdin.close()
+        mapper.wait(timeout=30)
+
+
+def test_a_mapped_blob_is_named_by_its_namespace_and_an_unlinked_one_is_not(
+    write_file: Writer, config: LoaderConfig
+) -> None:
+    blob = _blob(config, write_file({"w": torch.zeros(1000)}, "a.safetensors"))
+    namespace = blob.parent.parent.name
+    mapper = subprocess.Popen([sys.executable, "-c", _MAPPER, str(blob)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+        root = Path(str(config.cache_dir))
+        assert mapped_blobs(root) == {(namespace, blob.name)}
+        # Unlinked, the mapping is of a file no name leads to: a blob filled again under
+        # that name is not held by it.
+        NodeTier(config).remove(namespace, blob.name)
+        assert mapped_blobs(root) == set()
     finally:
         assert mapper.stdin is not None
         mapper.stdin.close()
