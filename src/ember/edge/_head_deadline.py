@@ -49,8 +49,18 @@ OVER_CAP = _answer(b"503 Service Unavailable", b"too many connections from one c
 #: What an upgrade request is told before its connection is closed.
 UPGRADE_REFUSED = _answer(b"400 Bad Request", b"protocol upgrades are not served here\n")
 
-_UVICORN_HOOKS = ("_get_upgrade", "_should_upgrade", "handle_websocket_upgrade",
+_UVICORN_HOOKS = ("_should_upgrade", "handle_websocket_upgrade", "on_response_complete",
                   "connection_made", "data_received", "connection_lost")
+
+
+def _asks_upgrade(headers: list[tuple[bytes, bytes]] | None) -> bool:
+    """Whether the head asks for an upgrade as llhttp reads one: an Upgrade header, and the
+    ``upgrade`` token in any Connection header (RFC 9110 7.8: an Upgrade header without it is
+    no upgrade, and is served as the plain request it is)."""
+    pairs = list(headers or ())
+    return any(name == b"upgrade" for name, _ in pairs) and any(
+        name == b"connection" and b"upgrade" in (t.strip().lower() for t in value.split(b","))
+        for name, value in pairs)
 
 
 def head_deadline_protocol(deadline_s: float, *, per_client: int = 0,
@@ -70,6 +80,7 @@ def head_deadline_protocol(deadline_s: float, *, per_client: int = 0,
         _head_timer: asyncio.TimerHandle | None = None
         _client: str | None = None
         _over_cap = False
+        _refuse_when_done = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -110,18 +121,35 @@ def head_deadline_protocol(deadline_s: float, *, per_client: int = 0,
 
         def _should_upgrade(self) -> bool:
             # httptools asks only when its parser saw an upgrade (CONNECT included); h11
-            # asks at every head, and takes a CONNECT for a plain request. Yes keeps the
-            # request from the app.
+            # asks at every head, takes a CONNECT for a plain request and reads only the
+            # last Connection header. Yes keeps the request from the app.
             parser = getattr(self, "parser", None)
             seen = parser is not None and bool(parser.should_upgrade())
-            connect = self.scope.get("method") == "CONNECT"
-            if not seen and not connect and self._get_upgrade() is None:
+            if not (seen or self.scope.get("method") == "CONNECT" or _asks_upgrade(self.headers)):
                 return False
-            self._finish(UPGRADE_REFUSED)
+            self._refuse()
             return True
 
         def handle_websocket_upgrade(self, *args: Any) -> None:
-            self._finish(UPGRADE_REFUSED)
+            self._refuse()
+
+        def _refuse(self) -> None:
+            # Pipelined behind requests still being answered (httptools parses a whole
+            # segment at once): refused once their answers are out, reading paused till then.
+            if self._busy():
+                self._refuse_when_done = True
+                self.flow.pause_reading()
+            else:
+                self._finish(UPGRADE_REFUSED)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._refuse_when_done and not self._busy():
+                self._finish(UPGRADE_REFUSED)
+
+        def _busy(self) -> bool:
+            under_way = self.cycle is not None and not self.cycle.response_complete
+            return under_way or bool(getattr(self, "pipeline", None))
 
         def _finish(self, answer: bytes) -> None:
             # A closed transport reads nothing more: what follows is never parsed.

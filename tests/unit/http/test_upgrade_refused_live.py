@@ -29,7 +29,8 @@ SEEN: list[str] = []
 
 async def counting_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     SEEN.append(f"{scope['method']} {scope['path']}")
-    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
 
@@ -91,6 +92,31 @@ def test_an_h2c_upgrade_with_a_body_smuggles_no_request(port: int) -> None:
     assert answer.startswith(b"HTTP/1.1 400"), answer
     assert answer.count(b"HTTP/1.1 ") == 1, answer
     assert SEEN == [], f"the app saw {SEEN}"
+
+
+def test_an_upgrade_in_a_second_connection_header_is_refused(port: int) -> None:
+    SEEN.clear()
+    head = (b"POST /second HTTP/1.1\r\nHost: edge\r\nConnection: Upgrade\r\n"
+            b"Connection: keep-alive\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(head)
+        answer = _until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert SEEN == [], f"the app saw {SEEN}"
+
+
+def test_an_upgrade_pipelined_behind_a_request_is_refused_after_its_answer(port: int) -> None:
+    SEEN.clear()
+    both = (b"GET /first HTTP/1.1\r\nHost: edge\r\n\r\n"
+            b"GET /ws HTTP/1.1\r\nHost: edge\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(both)  # one segment: parsed at once
+        answer = _until_closed(sock)
+    first, _, rest = answer.partition(b"ok")
+    assert first.startswith(b"HTTP/1.1 200"), answer
+    assert rest.startswith(b"HTTP/1.1 400") and b"upgrades are not served" in rest, answer
+    assert SEEN == ["GET /first"], SEEN
 
 
 def test_a_uvicorn_without_the_hooks_fails_closed() -> None:
