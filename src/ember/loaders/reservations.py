@@ -157,10 +157,11 @@ def _live_claims(folder: Path) -> list[int]:
 def _alive(pid: int, start_ticks: int) -> bool:
     try:
         now = _start_ticks(pid)
-    except PermissionError:
-        return True  # there, but not ours to read: counted, failing safe
+    except (PermissionError, ValueError, IndexError):
+        return True  # there, but not ours to read, or read torn: counted, failing safe
     # A PID the kernel gave again to a new process has another start; a zombie holds no
-    # memory.
+    # memory. Under hidepid=2 another user's process is not there at all: its claim is
+    # dropped, as when /proc shows no other user's processes (one user per node's cache).
     return now is not None and now == (start_ticks, False)
 
 
@@ -178,7 +179,8 @@ def _start_ticks(pid: int) -> tuple[int, bool] | None:
 def _write(folder: Path, size: int, what: str) -> Path:
     pid = os.getpid()
     mine = _start_ticks(pid)
-    assert mine is not None  # this process runs
+    if mine is None:  # no /proc (not Linux): claim() checks against free memory alone
+        raise FileNotFoundError(f"/proc/{pid}/stat")
     # The load's name without a query string: a signed URL's signature stays out of the file.
     doc = {"pid": pid, "start_ticks": mine[0], "bytes": size,
            "what": what.split("?", 1)[0][:300]}

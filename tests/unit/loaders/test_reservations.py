@@ -19,7 +19,7 @@ import pytest
 
 from ember.deployments.causal_lm import load_causal_lm
 from ember.errors import InsufficientMemory
-from ember.loaders import LoaderConfig, wait_for_cache_writes, weights_bytes
+from ember.loaders import LoaderConfig, reservations, wait_for_cache_writes, weights_bytes
 from ember.loaders.reservations import FOLDER, claim, claimed_bytes
 
 from support import bench_module, wait_for
@@ -134,6 +134,16 @@ def test_a_claim_of_a_zombie_or_of_a_pid_given_again_is_not_counted(
         {**doc, "start_ticks": doc["start_ticks"] - 1, "bytes": 400}))
     assert claimed_bytes(holders.root) == 200  # the live holder's only
     zombie.wait(timeout=30)
+
+
+def test_without_proc_the_plain_check_stands(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a system with no /proc/<pid>/stat: a load is still checked, never failed.
+    monkeypatch.setattr(reservations, "_start_ticks", lambda pid: None)
+    with claim(tmp_path, 600, free_bytes=1000, what="no proc"):
+        pass
+    with pytest.raises(InsufficientMemory), claim(tmp_path, 1200, free_bytes=1000, what="big"):
+        pass
 
 
 def test_a_causal_lm_load_counts_the_claims_of_loads_under_way(
