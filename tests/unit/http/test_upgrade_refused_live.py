@@ -58,11 +58,17 @@ def _until_closed(sock: socket.socket) -> bytes:
     return answer
 
 
+def _send(port: int, data: bytes) -> bytes:
+    """Everything the server answers to ``data``, read until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(data)
+        return _until_closed(sock)
+
+
 def test_a_plain_request_reaches_the_app(port: int) -> None:
     SEEN.clear()
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(b"GET /plain HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
-        assert _until_closed(sock).startswith(b"HTTP/1.1 200")
+    plain = b"GET /plain HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n"
+    assert _send(port, plain).startswith(b"HTTP/1.1 200")
     assert SEEN == ["GET /plain"]
 
 
@@ -70,9 +76,7 @@ def test_a_websocket_upgrade_is_refused_and_closed(port: int) -> None:
     SEEN.clear()
     head = (b"GET /ws HTTP/1.1\r\nHost: edge\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
             b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(head)
-        answer = _until_closed(sock)  # returns only once the server closes
+    answer = _send(port, head)
     assert answer.startswith(b"HTTP/1.1 400") and b"upgrades are not served" in answer, answer
     assert SEEN == [], "the app saw an upgrade request"
 
@@ -98,9 +102,7 @@ def test_an_upgrade_in_a_second_connection_header_is_refused(port: int) -> None:
     SEEN.clear()
     head = (b"POST /second HTTP/1.1\r\nHost: edge\r\nConnection: Upgrade\r\n"
             b"Connection: keep-alive\r\nUpgrade: h2c\r\nContent-Length: 0\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(head)
-        answer = _until_closed(sock)
+    answer = _send(port, head)
     assert answer.startswith(b"HTTP/1.1 400"), answer
     assert SEEN == [], f"the app saw {SEEN}"
 
@@ -110,9 +112,7 @@ def test_an_upgrade_pipelined_behind_a_request_is_refused_after_its_answer(port:
     both = (b"GET /first HTTP/1.1\r\nHost: edge\r\n\r\n"
             b"GET /ws HTTP/1.1\r\nHost: edge\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
             b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(both)  # one segment: parsed at once
-        answer = _until_closed(sock)
+    answer = _send(port, both)
     first, _, rest = answer.partition(b"ok")
     assert first.startswith(b"HTTP/1.1 200"), answer
     assert rest.startswith(b"HTTP/1.1 400") and b"upgrades are not served" in rest, answer
@@ -129,10 +129,8 @@ def test_a_uvicorn_without_the_hooks_fails_closed() -> None:
 
 def test_a_connect_is_refused_and_no_tunnel_opens(port: int) -> None:
     SEEN.clear()
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
-                     b"GET /tunnelled HTTP/1.1\r\nHost: edge\r\n\r\n")
-        answer = _until_closed(sock)
+    answer = _send(port, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
+                         b"GET /tunnelled HTTP/1.1\r\nHost: edge\r\n\r\n")
     time.sleep(0.3)
     assert answer.startswith(b"HTTP/1.1 400"), answer
     assert SEEN == [], f"the app saw {SEEN}"
