@@ -49,8 +49,8 @@ OVER_CAP = _answer(b"503 Service Unavailable", b"too many connections from one c
 #: What an upgrade request is told before its connection is closed.
 UPGRADE_REFUSED = _answer(b"400 Bad Request", b"protocol upgrades are not served here\n")
 
-_UVICORN_HOOKS = ("_should_upgrade", "handle_websocket_upgrade", "on_response_complete",
-                  "connection_made", "data_received", "connection_lost")
+#: uvicorn's own methods this overrides (asyncio.Protocol's are always there).
+_UVICORN_HOOKS = ("_should_upgrade", "handle_websocket_upgrade", "on_response_complete")
 
 
 def _asks_upgrade(headers: list[tuple[bytes, bytes]] | None) -> bool:
