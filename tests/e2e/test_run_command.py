@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -182,16 +183,21 @@ def _cold_trial(run: EmberRun, session: Path, trial: int) -> None:
     wait_for(lambda: _warm_idle_workers(run.proc.pid), 60, what="a pre-started worker")
     wait_for(lambda: every_edge_sees(run.url, "SeedMLP", 0), 90, what="SeedMLP at zero")
     log = ControllerLog(session)
+    sent_at = time.time()
     reply = httpx.post(f"{run.url}/mlp", json=_MLP_BODY, timeout=120)
     assert reply.status_code == 200, reply.text
     phases = _phases(reply)
     # Its own replica (no pool), in a process that had imported everything before.
     assert (phases["path"], phases["start"], phases["import"]) == (
         "replica", "0", "0"), (trial, phases)
-    # The decision does not wait for Serve's step (up to 3 s here): the edge's report of
-    # the request at zero runs the autoscaling at once (ember.ray_controller).
-    assert int(phases["queue"]) < 1000, (trial, phases)
     decided, serving = _decided_and_serving(log)
+    # The decision does not wait for Serve's step (up to 3 s here): the edge's report of
+    # the request at zero runs the autoscaling at once (ember.ray_controller). Timed from
+    # the send to the controller's own line, not by the header's queue phase, which also
+    # holds the replica's creation and stretches when the machine is busy (1.8 s with the
+    # integration tests beside this one); a decision at Serve's next step misses this two
+    # times in three.
+    assert decided[0] - sent_at < _LOOP_S / 3, (trial, decided[1], sent_at)
     # Serve would wait a whole loop between the two before creating the replica and
     # up to one each for its allocation and its constructor's end; Ember's
     # controller hooks act on each at once.
