@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import signal
@@ -114,10 +115,20 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    ephemeral range: a port the kernel hands out (bind to 0, as Ray's many servers do) can
+    be taken between this check and the server's own bind, which fails an edge's start
+    (tests/support.py has the same rule for the tests)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 # --- statistics and formatting -------------------------------------------------------------

@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -69,18 +69,22 @@ NO_POOL = (("EMBER_WARM_POOL", "0"),)
 OWN_REPLICA_ARGS = ("--expect-path", "replica-warm-runtime", "--budget-cold-max-ms", "3000")
 
 
+def bench_module(name: str) -> Any:
+    """A module of ``bench/`` (the ladder's models, the benchmarks' shared harness)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
 def coldstart_lm(short: bool) -> Scenario:
     """The 2 GB ladder model from zero with the page cache cold, in both forms (the short one
     waits less for zero). Its budgets: the slowest cold request under 20 s on 2 cores (the
     size bench measures 2.3 s from request to first answer, README, run 15), the load's GB/s at
     least 0.3x the disk's, measured in the same run, and no more than 10 major page faults
     in a cold answer's forward (the scenario's defaults)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import model_ladder
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    folder = model_ladder.ensure("2gb")
+    folder = bench_module("model_ladder").ensure("2gb")
     args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2",
             "--zero-wait-s", "60" if short else "120", "--weights-dir", str(folder),
             "--budget-cold-max-ms", "20000", "--budget-disk-share", "0.3")
@@ -138,12 +142,6 @@ def _scenarios(short: bool) -> list[Scenario]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerError(RuntimeError):
     pass
 
@@ -159,7 +157,8 @@ class Server:
         self.url = ""
 
     def start(self, timeout_s: float) -> str:
-        port = free_port()
+        # Below the ephemeral range: a port Ray's servers take by binding 0 cannot be it.
+        port = bench_module("_harness").free_port()
         self.url = f"http://127.0.0.1:{port}"
         # The status sampler calls /-/status from loopback: the local-development opt-in.
         env = {**os.environ, "EMBER_SCALEDOWN_AFTER_S": str(self.scaledown_s),

@@ -67,3 +67,13 @@ def test_fresh_process_replicas_wraps_the_options_builder_as_the_runtime_calls_i
         built = build(options, name="MiniLM", placement={"resources": {}})
     assert built["ray_actor_options"]["runtime_env"] == serving.FRESH_PROCESS_ENV
     assert built["ray_actor_options"]["resources"] == {}
+
+
+def test_the_benchmarks_and_load_tests_pick_ports_below_the_ephemeral_range() -> None:
+    # A port the kernel can hand to a process binding 0 (as Ray's servers do) may be taken
+    # before the server bound to it binds: an edge's start failed on it.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    free_port = bench_module("_harness").free_port
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), sorted(ports)
+    assert len(ports) > 1  # chosen, not one fixed port
