@@ -118,7 +118,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
     ephemeral range: a port the kernel hands out (bind to 0, as Ray's many servers do) can
     be taken between this check and the server's own bind, which fails an edge's start
-    (tests/support.py has the same rule for the tests)."""
+    (the tests take their ports here too, through tests/support.py)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
-import random
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -22,19 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
-    ephemeral range: a port the kernel hands out (bind to 0, as Ray's many servers do) can
-    be taken between this check and the test's own bind, which failed an edge's start
-    (bench/_harness.py has the same rule for the benchmarks and load tests)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+    ephemeral range: the rule of ``bench/_harness.py``, which the benchmarks and load tests
+    use too (a port Ray's servers take by binding 0 failed an edge's start)."""
+    return int(_bench_harness().free_port())
+
+
+@functools.cache
+def _bench_harness() -> ModuleType:
+    return bench_module("_harness")
 
 
 def wait_for(predicate: Callable[[], T | None], timeout_s: float, interval_s: float = 0.2,
