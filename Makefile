@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# Four pytest runs. First, side by side: the unit tests (no cluster, one core) and the
-# two-node cluster's tests (tests/integration/test_two_nodes*.py), which mostly wait on their
-# cluster (under a core on average), so the pair takes about the time of the slower; the unit
-# tests' output is printed after theirs. Then the session cluster of the integration tests,
-# and the e2e tests, which start `ember run` and so a cluster of their own: each alone, as
-# their claims rest on timing (docs/testing.md). Each prints its ten slowest tests, so a
+# Five pytest runs in two steps. First, side by side: the two-node cluster's tests
+# (tests/integration/test_two_nodes*.py), the unit tests (no cluster, one core) and the load
+# tests' short run. The two-node tests and the load test mostly wait on their clusters (scale-
+# downs, recoveries, rollout steps), so the three keep the machine about 73% busy and take
+# about the load test's time; the unit tests' and the load test's output is printed after the
+# two-node tests'. Then the session cluster of the integration tests beside the e2e tests
+# (docs/testing.md says why these lanes and not others). Each prints its slowest tests, so a
 # run's log says where its time went.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
@@ -33,24 +34,25 @@ test: $(STAMP)
 	$(BIN)/python -m compileall -q src tests examples bench loadtests
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	log=$$(mktemp); \
+	log=$$(mktemp); loadlog=$$(mktemp); \
 	$(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
-	trap 'kill $$unit 2>/dev/null; rm -f $$log' EXIT; \
+	$(BIN)/python -m pytest tests/integration/test_loadtests.py --durations=5 \
+		-p no:cacheprovider > $$loadlog 2>&1 & load=$$!; \
+	trap 'kill $$unit $$load 2>/dev/null; rm -f $$log $$loadlog' EXIT; \
 	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10; nodes=$$?; \
 	wait $$unit; units=$$?; echo "== tests/unit (run beside the two-node tests)"; cat $$log; \
-	test $$nodes -eq 0 && test $$units -eq 0
+	wait $$load; loads=$$?; echo "== tests/integration/test_loadtests.py (run beside them)"; \
+	cat $$loadlog; \
+	test $$nodes -eq 0 && test $$units -eq 0 && test $$loads -eq 0
 	# The end-to-end tests start their own `ember run` clusters, so they run beside the
 	# integration tests' session cluster: much of either is waiting (scale-downs, rollouts),
-	# and side by side the two take about 10 minutes, not 16 in sequence. The load tests'
-	# short run comes after, alone: its budgets are timed, and its rollout's guard rightly
-	# pulls a candidate whose p99 a busy machine triples (docs/testing.md).
+	# and side by side the two take about 10 minutes, not 16 in sequence.
 	log=$$(mktemp); \
 	$(BIN)/python -m pytest tests/e2e --durations=10 -p no:cacheprovider > $$log 2>&1 & e2e=$$!; \
 	trap 'kill $$e2e 2>/dev/null; rm -f $$log' EXIT; \
 	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --ignore=tests/integration/test_loadtests.py --durations=10; integration=$$?; \
 	wait $$e2e; e2es=$$?; echo "== tests/e2e (run beside the integration tests)"; cat $$log; \
 	test $$integration -eq 0 && test $$e2es -eq 0
-	$(BIN)/python -m pytest tests/integration/test_loadtests.py --durations=5
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
