@@ -7,6 +7,16 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: run test lint bench loadtest clean
 
+# Integration modules that run in step 1, on a session cluster of their own after the two-node
+# modules (conftest.py orders those first), and e2e modules that run after the unit tests:
+# each mostly waits (Serve's periods, signals, subprocesses), so beside the load test they
+# use cores that step 1 leaves idle, and step 2 loses their time.
+STEP1_INTEGRATION := tests/integration/test_ray_internals.py tests/integration/test_versions.py \
+	tests/integration/test_listeners.py tests/integration/test_prefix_routing.py \
+	tests/integration/test_gpu_pool.py tests/integration/test_lora_replicas.py \
+	tests/integration/test_ray_init_signals.py
+STEP1_E2E := tests/e2e/test_signals.py
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -18,14 +28,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/ember run ember.deployments.embeddings:app
 
-# Five pytest runs in two steps. First, side by side: the two-node cluster's tests
-# (tests/integration/test_two_nodes*.py), the unit tests (no cluster, one core) and the load
-# tests' short run. The two-node tests and the load test mostly wait on their clusters (scale-
-# downs, recoveries, rollout steps), so the three keep the machine about 73% busy and take
-# about the load test's time; the unit tests' and the load test's output is printed after the
-# two-node tests'. Then the session cluster of the integration tests beside the e2e tests
-# (docs/testing.md says why these lanes and not others). Each prints its slowest tests, so a
-# run's log says where its time went.
+# Six pytest runs in two steps. First, side by side: the two-node cluster's tests followed,
+# in the same process, by STEP1_INTEGRATION on a session cluster; the unit tests (no cluster,
+# one core) followed by STEP1_E2E; and the load tests' short run. The load test alone keeps
+# the machine 43% busy (it mostly waits on servers, scale-downs and rollout steps), so the
+# rest fits beside it; their output is printed after the two-node lane's. Then the rest of the
+# integration tests beside the rest of the e2e tests. docs/testing.md gives the lanes' times
+# and what failed in lanes tried before. Each prints its slowest tests, so a run's log says
+# where its time went.
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench loadtests
 	# Bytecode for the project's own sources, written once: every Ray worker that hosts a
@@ -35,22 +45,27 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	log=$$(mktemp); loadlog=$$(mktemp); \
-	$(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider > $$log 2>&1 & unit=$$!; \
+	{ $(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider && \
+		$(BIN)/python -m pytest $(STEP1_E2E) --durations=5 -p no:cacheprovider; } \
+		> $$log 2>&1 & unit=$$!; \
 	$(BIN)/python -m pytest tests/integration/test_loadtests.py --durations=5 \
 		-p no:cacheprovider > $$loadlog 2>&1 & load=$$!; \
 	trap 'kill $$unit $$load 2>/dev/null; rm -f $$log $$loadlog' EXIT; \
-	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py --durations=10; nodes=$$?; \
-	wait $$unit; units=$$?; echo "== tests/unit (run beside the two-node tests)"; cat $$log; \
+	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py $(STEP1_INTEGRATION) \
+		--durations=10; nodes=$$?; \
+	wait $$unit; units=$$?; echo "== tests/unit, then $(STEP1_E2E) (run beside them)"; cat $$log; \
 	wait $$load; loads=$$?; echo "== tests/integration/test_loadtests.py (run beside them)"; \
 	cat $$loadlog; \
 	test $$nodes -eq 0 && test $$units -eq 0 && test $$loads -eq 0
 	# The end-to-end tests start their own `ember run` clusters, so they run beside the
 	# integration tests' session cluster: much of either is waiting (scale-downs, rollouts),
-	# and side by side the two take about 10 minutes, not 16 in sequence.
+	# and side by side the two take about 8 minutes, not 14 in sequence.
 	log=$$(mktemp); \
-	$(BIN)/python -m pytest tests/e2e --durations=10 -p no:cacheprovider > $$log 2>&1 & e2e=$$!; \
+	$(BIN)/python -m pytest tests/e2e $(STEP1_E2E:%=--ignore=%) --durations=10 -p no:cacheprovider \
+		> $$log 2>&1 & e2e=$$!; \
 	trap 'kill $$e2e 2>/dev/null; rm -f $$log' EXIT; \
-	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --ignore=tests/integration/test_loadtests.py --durations=10; integration=$$?; \
+	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --ignore=tests/integration/test_loadtests.py \
+		$(STEP1_INTEGRATION:%=--ignore=%) --durations=10; integration=$$?; \
 	wait $$e2e; e2es=$$?; echo "== tests/e2e (run beside the integration tests)"; cat $$log; \
 	test $$integration -eq 0 && test $$e2es -eq 0
 
