@@ -59,7 +59,7 @@ test: $(STAMP)
 	test $$nodes -eq 0 && test $$units -eq 0 && test $$loads -eq 0
 	# The end-to-end tests start their own `ember run` clusters, so they run beside the
 	# integration tests' session cluster: much of either is waiting (scale-downs, rollouts),
-	# and side by side the two take about 8 minutes, not 14 in sequence.
+	# and side by side the two take about 8.5 minutes (docs/testing.md).
 	log=$$(mktemp); \
 	$(BIN)/python -m pytest tests/e2e $(STEP1_E2E:%=--ignore=%) --durations=10 -p no:cacheprovider \
 		> $$log 2>&1 & e2e=$$!; \
