@@ -28,7 +28,7 @@ import weakref
 from typing import Any
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from ember.deployments._textgen_backend import Backend, TinyLMBackend
@@ -166,11 +166,15 @@ def constrain(logits: torch.Tensor, constraints: list[Constraint | None]) -> tor
     if not rows:
         return logits
     tokenizer = next(c for c in constraints if c is not None).tokenizer
-    bitmask = llguidance.torch.allocate_token_bitmask(len(constraints), tokenizer.vocab_size)
+    # llguidance's numpy form, not its torch one: importing ``llguidance.torch`` runs a
+    # ``torch.compile`` decorator, which imports dynamo and inductor (about 2 s of every
+    # replica's import); the mask is the same buffer, seen by torch without a copy.
+    mask = llguidance.numpy.allocate_token_bitmask(len(constraints), tokenizer.vocab_size)
     if len(rows) == 1:
-        llguidance.torch.fill_next_token_bitmask(rows[0][0], bitmask, rows[0][1])
+        llguidance.numpy.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
     else:
-        llguidance.torch.fill_next_token_bitmask_par(_executor(), rows, bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, mask)
+    bitmask = torch.from_numpy(mask)
     allowed = torch.ones(logits.shape, dtype=torch.bool)
     index = torch.tensor([i for _, i in rows])
     allowed[index] = _unpack(bitmask[index], logits.shape[-1])

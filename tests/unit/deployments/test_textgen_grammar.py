@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import jsonschema
@@ -226,3 +228,15 @@ def test_each_of_n_choices_follows_the_schema_with_its_own_constraint() -> None:
     assert sorted(out) == [0, 1, 2] and len(set(out.values())) > 1  # seeded apart
     for text in out.values():
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_importing_the_textgen_deployment_loads_no_torch_compiler() -> None:
+    # Every textgen replica and edge imports this module as it starts. ``llguidance.torch``
+    # runs a ``torch.compile`` decorator at import, which loads dynamo and inductor: about
+    # 2 s of CPU in each of those processes, for a kernel the engine never calls.
+    script = ("import sys, ember.deployments.textgen\n"
+              "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch')"
+              " if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
