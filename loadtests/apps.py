@@ -100,5 +100,7 @@ def _scorer(label: str, floor: int) -> type:
     return Scorer
 
 
-app = ember.App([Slow, Sleeper, _scorer("1", 1), _scorer("2", 0)], name="loadtests",
-                warm_pool=0)
+#: The deployments, also served beside others by ``loadtests/server_app.py``.
+DEPLOYMENTS = [Slow, Sleeper, _scorer("1", 1), _scorer("2", 0)]
+
+app = ember.App(DEPLOYMENTS, name="loadtests", warm_pool=0)

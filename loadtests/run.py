@@ -10,10 +10,11 @@ the coldstart scenario does not wait minutes for zero replicas), runs ``coldstar
 pool (the deployment's own replica, from the warm runtime, with a budget), then
 ``overload`` against ``--overload-app``, ``chaos`` (replicas SIGKILLed under load) and
 ``edge-chaos`` (edges SIGKILLed under load) against ``--chaos-app``, ``rollout`` (a
-candidate version rolled out 5 -> 100% under load) against ``--rollout-app``, and ``textgen``
-(streamed completions, TTFT and inter-token budgets) against ``--textgen-app``, and
-``coldstart-lm`` (a ladder causal LM from zero, page cache cold) against ``--lm-app`` (a server
-per app and environment, shared by scenarios that name the same), each as a headless locust
+candidate version rolled out 5 -> 100% under load) against ``--rollout-app``,
+``coldstart-lm`` (a ladder causal LM from zero, page cache cold) against ``--lm-app``, and
+``textgen`` (streamed completions, TTFT and inter-token budgets) against ``--textgen-app`` (a
+server per app and environment, shared by scenarios that name the same: by default the last
+six share ``loadtests/server_app.py``), each as a headless locust
 subprocess. Meanwhile a thread records ``/-/status`` every 0.5 s. Then it writes
 ``DIR/index.html`` (budgets, latency and replicas over time) next to locust's CSV and
 HTML reports, and exits 1 if any scenario missed a budget. ``--short`` is the CI version:
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,9 @@ import report
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FLAGSHIP = "ember.deployments.embeddings:app"
-#: Overload, chaos and rollout each drive their own deployment of one app, on one server.
-OVERLOAD_APP = CHAOS_APP = ROLLOUT_APP = "loadtests/apps.py:app"
-TEXTGEN_APP = "ember.deployments.textgen:app"
-LM_APP = "loadtests/lm_apps.py:app"
+#: Overload, chaos, rollout, coldstart-lm and textgen each drive their own deployment of one
+#: app, on one server (``loadtests/server_app.py``).
+OVERLOAD_APP = CHAOS_APP = ROLLOUT_APP = TEXTGEN_APP = LM_APP = "loadtests/server_app.py:app"
 SAMPLE_EVERY_S = 0.5
 
 
@@ -78,24 +78,33 @@ def bench_module(name: str) -> Any:
         sys.path.remove(str(ROOT / "bench"))
 
 
-def coldstart_lm(short: bool) -> Scenario:
+def coldstart_lm(short: bool, folder: Path, env: tuple[tuple[str, str], ...]) -> Scenario:
     """The 2 GB ladder model from zero with the page cache cold, in both forms (the short one
     waits less for zero). Its budgets: the slowest cold request under 20 s on 2 cores (the
     size bench measures 2.3 s from request to first answer, README, run 15), the load's GB/s at
     least 0.3x the disk's, measured in the same run, and no more than 10 major page faults
     in a cold answer's forward (the scenario's defaults)."""
-    folder = bench_module("model_ladder").ensure("2gb")
     args = ("-u", "2", "--run-time", "300s", "--warm-requests", "2",
             "--zero-wait-s", "60" if short else "120", "--weights-dir", str(folder),
             "--budget-cold-max-ms", "20000", "--budget-disk-share", "0.3")
-    env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
     return Scenario("coldstart-lm", "lm_app", args, 420 if short else 600, server_env=env,
                     locustfile="coldstart_lm")
 
 
 def scenarios(short: bool) -> list[Scenario]:
-    """The nine scenarios; ``short`` keeps CI to a few users and seconds each."""
-    return [*_scenarios(short), coldstart_lm(short)]
+    """The nine scenarios; ``short`` keeps CI to a few users and seconds each.
+
+    Those of ``server_app.py`` share its server, so they share its environment too: the
+    causal LM's weights, and no warm pool. coldstart-lm runs before textgen: each replica
+    takes one of the two CPUs, with the others' floors beside them, so the LM's must be
+    gone (3 s idle) before TextGen's can start, and the LM's cold start meets no other
+    replica starting."""
+    folder = bench_module("model_ladder").ensure("2gb")
+    env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
+    plan = [replace(s, server_env=env) if s.target != "app" else s for s in _scenarios(short)]
+    textgen = next(i for i, s in enumerate(plan) if s.name == "textgen")
+    plan.insert(textgen, coldstart_lm(short, folder, env))
+    return plan
 
 
 def _scenarios(short: bool) -> list[Scenario]:
