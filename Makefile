@@ -15,12 +15,7 @@ STEP1_INTEGRATION := tests/integration/test_ray_internals.py tests/integration/t
 	tests/integration/test_listeners.py tests/integration/test_prefix_routing.py \
 	tests/integration/test_gpu_pool.py tests/integration/test_lora_replicas.py \
 	tests/integration/test_ray_init_signals.py
-STEP1_E2E := tests/e2e/test_signals.py tests/e2e/test_quickstart.py
-# Integration modules that run in step 1 after the load tests' short run, in its pytest
-# process (on a session cluster it starts only then): the short run needs the machine less
-# busy than the other lanes do, so it goes first, and these leave step 2's longest lane.
-STEP1_AFTER_LOAD := tests/integration/test_textgen_admission.py \
-	tests/integration/test_live_claims.py
+STEP1_E2E := tests/e2e/test_signals.py
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,10 +30,9 @@ run: $(STAMP)
 
 # Six pytest runs in two steps. First, side by side: the two-node cluster's tests followed,
 # in the same process, by STEP1_INTEGRATION on a session cluster; the unit tests (no cluster,
-# one core) followed by STEP1_E2E; and the load tests' short run followed by STEP1_AFTER_LOAD.
-# The load test alone keeps the machine under half busy (it mostly waits on servers,
-# scale-downs and rollout steps), so the rest fits beside it; their output is printed after
-# the two-node lane's. Then the rest of the
+# one core) followed by STEP1_E2E; and the load tests' short run. The load test alone keeps
+# the machine 43% busy (it mostly waits on servers, scale-downs and rollout steps), so the
+# rest fits beside it; their output is printed after the two-node lane's. Then the rest of the
 # integration tests beside the rest of the e2e tests. docs/testing.md gives the lanes' times
 # and what failed in lanes tried before. Each prints its slowest tests, so a run's log says
 # where its time went.
@@ -54,14 +48,13 @@ test: $(STAMP)
 	{ $(BIN)/python -m pytest tests/unit --durations=10 -p no:cacheprovider && \
 		$(BIN)/python -m pytest $(STEP1_E2E) --durations=5 -p no:cacheprovider; } \
 		> $$log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest tests/integration/test_loadtests.py $(STEP1_AFTER_LOAD) \
-		--durations=5 -p no:cacheprovider > $$loadlog 2>&1 & load=$$!; \
+	$(BIN)/python -m pytest tests/integration/test_loadtests.py --durations=5 \
+		-p no:cacheprovider > $$loadlog 2>&1 & load=$$!; \
 	trap 'kill $$unit $$load 2>/dev/null; rm -f $$log $$loadlog' EXIT; \
 	$(BIN)/python -m pytest tests/integration/test_two_nodes*.py $(STEP1_INTEGRATION) \
 		--durations=10; nodes=$$?; \
 	wait $$unit; units=$$?; echo "== tests/unit, then $(STEP1_E2E) (run beside them)"; cat $$log; \
-	wait $$load; loads=$$?; \
-	echo "== tests/integration/test_loadtests.py, then $(STEP1_AFTER_LOAD) (run beside them)"; \
+	wait $$load; loads=$$?; echo "== tests/integration/test_loadtests.py (run beside them)"; \
 	cat $$loadlog; \
 	test $$nodes -eq 0 && test $$units -eq 0 && test $$loads -eq 0
 	# The end-to-end tests start their own `ember run` clusters, so they run beside the
@@ -72,8 +65,7 @@ test: $(STAMP)
 		> $$log 2>&1 & e2e=$$!; \
 	trap 'kill $$e2e 2>/dev/null; rm -f $$log' EXIT; \
 	$(BIN)/python -m pytest tests/integration --ignore-glob='tests/integration/test_two_nodes*' --ignore=tests/integration/test_loadtests.py \
-		$(STEP1_INTEGRATION:%=--ignore=%) $(STEP1_AFTER_LOAD:%=--ignore=%) --durations=10; \
-		integration=$$?; \
+		$(STEP1_INTEGRATION:%=--ignore=%) --durations=10; integration=$$?; \
 	wait $$e2e; e2es=$$?; echo "== tests/e2e (run beside the integration tests)"; cat $$log; \
 	test $$integration -eq 0 && test $$e2es -eq 0
 
