@@ -231,9 +231,10 @@ def test_each_of_n_choices_follows_the_schema_with_its_own_constraint() -> None:
 
 
 def test_importing_the_textgen_deployment_loads_no_torch_compiler() -> None:
-    # Every textgen replica and edge imports this module as it starts. ``llguidance.torch``
-    # runs a ``torch.compile`` decorator at import, which loads dynamo and inductor: about
-    # 2 s of CPU in each of those processes, for a kernel the engine never calls.
+    # Every textgen replica (and the warm pool's, which serves it) imports this module as it
+    # starts; the edges do not. ``llguidance.torch`` runs a ``torch.compile`` decorator at
+    # import, which loads dynamo and inductor: about 2 s of CPU in each of those processes,
+    # for a kernel the engine never calls.
     script = ("import sys, ember.deployments.textgen\n"
               "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch')"
               " if m in sys.modules))")
