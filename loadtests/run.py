@@ -97,8 +97,8 @@ def scenarios(short: bool) -> list[Scenario]:
     Those of ``server_app.py`` share its server, so they share its environment too: the
     causal LM's weights, and no warm pool. coldstart-lm runs before textgen: each replica
     takes one of the two CPUs, with the others' floors beside them, so the LM's must be
-    gone (3 s idle) before TextGen's can start, and the LM's cold start meets no other
-    replica starting."""
+    gone (``--scaledown-s`` idle) before TextGen's can start, and the LM's cold start meets
+    no other replica starting."""
     folder = bench_module("model_ladder").ensure("2gb")
     env = (("EMBER_CAUSAL_LM_WEIGHTS", folder.as_uri()), *NO_POOL)
     plan = [replace(s, server_env=env) if s.target != "app" else s for s in _scenarios(short)]
